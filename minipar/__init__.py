@@ -1,3 +1,15 @@
-"""minipar: large-scale training techniques from scratch on torch.distributed."""
-from minipar import comm
+"""minipar: the techniques that train large models on many accelerators, from scratch on torch.distributed.
+
+    import minipar
+    cfg = minipar.GPTConfig.preset("tiny")
+    res = minipar.train(cfg, minipar.ParallelConfig(), steps=20, global_batch=8, data="shakespeare")
+"""
+from minipar import comm, demos
+from minipar.config import ParallelConfig
 from minipar.launch import WorkerError, WorkerTimeout, launch
+from minipar.mesh import Mesh
+from minipar.model import GPT, GPTConfig
+from minipar.train import TrainResult, train
+
+__all__ = ["comm", "demos", "GPT", "GPTConfig", "Mesh", "ParallelConfig", "TrainResult", "WorkerError",
+           "WorkerTimeout", "launch", "train"]

@@ -19,6 +19,7 @@ than a fresh interpreter (spawn: ~1 s a rank on a 2-core machine).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import faulthandler
@@ -249,6 +250,7 @@ def _join_torchrun(fn, world_size, args, kwargs, backend, timeout):
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(dist.destroy_process_group)  # an undestroyed group aborts the exit
     results = [None] * world_size
     dist.all_gather_object(results, fn(*args, **kwargs))
     return results

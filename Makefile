@@ -1,0 +1,25 @@
+# The two commands the README gives. Both set up .venv first (once; again if pyproject.toml changes).
+# torch==2.13.0 is installed on its own, first: it is the CPU wheel that lies on this machine's disk.
+# pyproject.toml's range (2.11 <= torch < 2.14) accepts it, so `pip install -e .` adds nothing more;
+# a bare `torch` would make pip fetch a multi-GB CUDA build instead.
+PY := .venv/bin/python
+TORCH ?= torch==2.13.0
+
+.venv/done: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: .venv/done
+
+train: setup   ## the main job: a short training run on the bundled corpus
+	$(PY) -m minipar train $(ARGS)
+
+test: setup    ## every test: pytest and the notebooks under nbval
+	$(PY) -m pytest --nbval-lax -q $(ARGS)
+
+bench: setup   ## side-by-side benchmarks against PyTorch's own implementations
+	$(PY) bench/run.py $(ARGS)
+
+.PHONY: setup train test bench

@@ -1,0 +1,89 @@
+"""Command line: `python -m minipar train ...` (see `python -m minipar train --help`).
+
+Under torchrun (RANK and WORLD_SIZE set) the same command joins that job as one of its ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from minipar.config import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
+from minipar.data import SOURCES
+from minipar.model import GPTConfig
+
+
+def train_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a GPT with a parallel layout",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="tiny", choices=sorted(GPTConfig.PRESETS), help="model preset")
+    for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
+        m.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override the preset's {name}")
+    par = p.add_argument_group("layout (ParallelConfig)")
+    for name in ("dp", "tp", "pp", "zero", "microbatches", "virtual_stages"):
+        default = 0 if name == "zero" else 1
+        par.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    par.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    par.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--global-batch", type=int, default=16)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data", default="shakespeare", choices=SOURCES)
+    t.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    t.add_argument("--plot", default="out/loss.png", help="where to save the loss curve ('' for none)")
+    t.add_argument("--sample", type=int, default=300, help="characters of text to generate at the end (0: none)")
+    return p
+
+
+def run_train(args) -> None:
+    from minipar.train import train
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+                 if getattr(args, k) is not None}
+    cfg = GPTConfig.preset(args.model, **overrides)
+    par = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, microbatches=args.microbatches,
+                         schedule=args.schedule, virtual_stages=args.virtual_stages,
+                         sequence_parallel=args.sequence_parallel, precision=args.precision,
+                         recompute=args.recompute)
+    leader = int(os.environ.get("RANK", 0)) == 0
+    if leader:
+        print(f"model {args.model}: {cfg.num_params:,} parameters | layout: {par.label}")
+    res = train(cfg, par, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
+                weight_decay=args.weight_decay, seed=args.seed, data=args.data, backend=args.backend,
+                return_state=args.sample > 0, progress=leader)
+    if not leader:
+        return
+    print(res.summary())
+    for rank, mem in enumerate(res.peak_memory):
+        print(f"  rank {rank} memory: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+    if args.plot:
+        from minipar.viz import loss_curve
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        loss_curve({par.label: res.losses}).savefig(args.plot)
+        print(f"loss curve saved to {args.plot}")
+    if args.sample:
+        from minipar.model import GPT, sample
+        model = GPT(cfg)
+        model.load_state_dict(res.state_dict)
+        print("--- sample ---\n" + sample(model, "ROMEO:", args.sample, seed=args.seed))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            run_train(args)
+    except ValueError as err:  # a bad configuration: say what to change, no traceback
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""ParallelConfig: how one training job is laid out over ranks, validated before any process starts.
+
+Every field is checked on construction (types and ranges); `check(cfg, global_batch)` then checks
+the rules that need the model and the batch. Each error is a `ValueError` that names the field and
+the rule, so a notebook user sees what to change instead of a hang in rank 3.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+DP_MODES = ("naive", "bucketed")
+COLLECTIVES = ("minipar", "torch")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+
+
+def _one_of(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"ParallelConfig.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1                      # data-parallel replicas; each takes global_batch / dp rows
+    tp: int = 1                      # tensor-parallel ranks per layer (Megatron); innermost in the grid
+    pp: int = 1                      # pipeline stages
+    zero: int = 0                    # ZeRO stage over the DP group: 0 none, 1 optimizer, 2 +grads, 3 +params
+    microbatches: int = 1            # per DP rank: pipeline micro-batches, or accumulation steps when pp = 1
+    schedule: str = "1f1b"           # pipeline schedule, one of SCHEDULES
+    virtual_stages: int = 1          # model chunks per pipeline rank (> 1 only for "interleaved-1f1b")
+    sequence_parallel: bool = False  # shard LayerNorm/dropout activations along the sequence (needs tp > 1)
+    precision: str = "fp32"          # "fp32"; "bf16" autocast with fp32 master weights; "fp16" + loss scaling
+    recompute: str = "none"          # activation recomputation: "none", "selective" (attention), "full"
+    dp_mode: str = "bucketed"        # gradient all-reduce: "naive" (one per parameter, after backward) or
+                                     #   "bucketed" (overlapped with backward)
+    bucket_mb: float = 25.0          # bucket size in MiB for "bucketed" (DDP's default is 25)
+    collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring) or "torch" (the backend's)
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        _one_of("schedule", self.schedule, SCHEDULES)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("recompute", self.recompute, RECOMPUTE)
+        _one_of("dp_mode", self.dp_mode, DP_MODES)
+        _one_of("collectives", self.collectives, COLLECTIVES)
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ValueError(f"ParallelConfig.bucket_mb must be a positive number, got {self.bucket_mb!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"ParallelConfig.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b', "
+                             f"got {self.schedule!r}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        """The fields that differ from the defaults, e.g. "dp=2 microbatches=4" ("single process" if none)."""
+        default = ParallelConfig()
+        changed = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(default, f.name)]
+        return " ".join(changed) or "single process"
+
+    def replace(self, **changes) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def check(self, cfg, global_batch: int) -> None:
+        """The rules that need the model config and the global batch; raises ValueError."""
+        if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+        if global_batch % (self.dp * self.microbatches):
+            raise ValueError(f"global_batch ({global_batch}) must divide by dp * microbatches "
+                             f"({self.dp} * {self.microbatches} = {self.dp * self.microbatches})")
+        if cfg.n_head % self.tp:
+            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's n_head ({cfg.n_head})")
+        if cfg.vocab_size % self.tp:
+            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's vocab_size ({cfg.vocab_size})")
+        if self.pp * self.virtual_stages > cfg.n_layer:
+            raise ValueError(f"pp * virtual_stages ({self.pp} * {self.virtual_stages}) must not exceed the "
+                             f"model's n_layer ({cfg.n_layer}): every stage needs a layer")
+        if self.sequence_parallel and cfg.seq_len % self.tp:
+            raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp ({self.tp})")

@@ -1,0 +1,181 @@
+"""The training loop, the same on one process and on every rank of a parallel job.
+
+`train(cfg, par, ...)` checks the configuration, then runs `train_rank` in this process (one rank,
+the single-device reference every technique is compared with) or on `par.world` ranks through
+`minipar.launch` (or the ranks of a torchrun job), and merges what the ranks return.
+
+A step: take the global batch of this step (the same for every layout), run forward and backward on
+each of this rank's micro-batches (the loss of each scaled by 1/microbatches, so the gradients are
+those of the mean), step the optimizer. The loss reported is the global mean.
+Metrics: loss, step time, tokens/s, MFU (model FLOPs, REFERENCES.md, over the device's peak), and
+memory by category.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from minipar import comm, memory
+from minipar import data as dataset
+from minipar.config import ParallelConfig
+from minipar.data_parallel import DataParallel
+from minipar.hardware import peak_flops
+from minipar.launch import launch, pick_backend
+from minipar.mesh import Mesh
+from minipar.model import GPT, GPTConfig, cross_entropy
+
+IMPLEMENTED = dict(tp=1, pp=1, zero=0, precision=("fp32", "bf16"), recompute=("none",))
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]                 # global mean loss of each step
+    step_times: list[float]             # seconds per step (rank 0)
+    tokens_per_s: float                 # global tokens per second, median step
+    mfu: float                          # model FLOP/s over the peak of the devices used, median step
+    peak_memory: list[dict]             # by rank: {category: bytes}
+    comm_bytes: list[dict]              # by rank: {collective or p2p kind: bytes sent}
+    comm_calls: list[dict]              # by rank: {collective kind: calls made}
+    timelines: list[list] = field(default_factory=list, repr=False)  # by rank: (what, start, end) in
+                                        #   perf_counter seconds: forward, backward, buckets, wait (dp > 1)
+    state_dict: dict | None = field(default=None, repr=False)  # single-device weights, if asked
+
+    def summary(self) -> str:
+        return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} in {len(self.losses)} steps | "
+                f"{self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak memory "
+                f"{max(sum(m.values()) for m in self.peak_memory) / 2**20:.1f} MiB on the fullest rank")
+
+
+def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10, global_batch: int = 8,
+          lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
+          backend: str = "auto", return_state: bool = False, progress: bool = False,
+          timeout: float = 600.0) -> TrainResult:
+    """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first."""
+    par = par or ParallelConfig()
+    par.check(cfg, global_batch)
+    _check_implemented(par)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if data not in dataset.SOURCES:
+        raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
+    pick_backend(backend, par.world)  # a world larger than the devices fails here, before any process
+    args = (cfg, par, steps, global_batch, lr, weight_decay, seed, data, return_state, progress)
+    if par.world == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        ranks = [train_rank(*args, device="cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu")]
+    else:
+        ranks = launch(train_rank, par.world, *args, backend=backend, timeout=timeout)
+    steady = ranks[0]["step_times"][1:] or ranks[0]["step_times"]
+    step = statistics.median(steady)
+    # MFU's denominator: the peak of the devices the job ran on. Local CPU ranks share one CPU, so
+    # its measured peak counts once; GPU ranks each bring their own.
+    device, dtype = ranks[0]["device"], torch.bfloat16 if par.precision == "bf16" else torch.float32
+    peak = peak_flops(device.split(":")[0], dtype) * (par.world if device.startswith("cuda") else 1)
+    return TrainResult(
+        losses=ranks[0]["losses"], step_times=ranks[0]["step_times"],
+        tokens_per_s=global_batch * cfg.seq_len / step,
+        mfu=cfg.flops_per_token * global_batch * cfg.seq_len / step / peak,
+        peak_memory=[r["memory"] for r in ranks], comm_bytes=[r["comm"] for r in ranks],
+        comm_calls=[r["calls"] for r in ranks], timelines=[r["timeline"] for r in ranks],
+        state_dict=ranks[0]["state"])
+
+
+def _check_implemented(par: ParallelConfig) -> None:
+    for name, allowed in IMPLEMENTED.items():
+        value = getattr(par, name)
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise NotImplementedError(f"ParallelConfig.{name}={value!r} is not implemented yet "
+                                      f"(this version supports {name} in {allowed})")
+
+
+def autocast(precision: str, device: str):
+    """bf16 autocast for the forward when asked; fp32 weights and optimizer stay as they are."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on biases, LayerNorms), as GPT-2 and nanoGPT do."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state, progress,
+               device: str | None = None) -> dict:
+    """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights."""
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if dist.is_initialized() and \
+            dist.get_backend() == "nccl" else "cpu"
+    mesh = Mesh.build(par.dp, par.tp, par.pp)
+    torch.manual_seed(seed)
+    model = GPT(cfg).to(device)
+    optimizer = make_optimizer(model, lr, weight_decay)
+    dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives) \
+        if par.dp > 1 else None
+    meter = memory.ActivationMeter(model.parameters())
+    losses, step_times, mem = [], [], {}
+    bar = _progress(steps, progress and mesh.rank == 0)
+    with comm.count() as sent:
+        for step in bar:
+            start = time.perf_counter()
+            x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
+            loss_sum = 0.0
+            for mb in range(par.microbatches):
+                xb = dataset.shard(x, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+                yb = dataset.shard(y, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+                last = mb == par.microbatches - 1
+                t0 = time.perf_counter()
+                with meter, autocast(par.precision, device):
+                    loss = cross_entropy(model(xb), yb) / par.microbatches
+                t1 = time.perf_counter()
+                with dp.no_sync() if dp and not last else contextlib.nullcontext():
+                    loss.backward()
+                meter.release()
+                if dp:  # the compute half of the timeline; dp records the communication
+                    dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
+                loss_sum += loss.item()
+            if dp:
+                dp.finish()
+                loss_sum = _mean_over(loss_sum, mesh.dp_group)
+            optimizer.step()
+            if step == 0:  # grads still held, optimizer state just allocated
+                mem = memory.measure(model, optimizer, activations=0, comm=dp.comm_buffer_bytes if dp else 0)
+            optimizer.zero_grad(set_to_none=True)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            step_times.append(time.perf_counter() - start)
+            losses.append(loss_sum)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{global_batch * cfg.seq_len / step_times[-1]:,.0f}")
+    mem["activations"] = meter.peak
+    timeline = dp.timeline if dp else []
+    if dp:
+        dp.close()
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
+    return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
+                calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
+
+
+def _mean_over(value: float, group) -> float:
+    """The mean of a float over the group (metrics only: not counted as training traffic)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+def _progress(steps: int, show: bool):
+    """A tqdm bar over the steps (notebook-aware) when `show`, else a plain range.
+
+    No tqdm at all on the other ranks: it creates a multiprocessing lock that a worker would leak."""
+    if not show:
+        return range(steps)
+    from tqdm.auto import tqdm
+    return tqdm(range(steps), desc="train", mininterval=0.5)

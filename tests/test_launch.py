@@ -1,0 +1,115 @@
+"""The launcher: results by rank, output echoed, and the three ways a job goes wrong."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import minipar
+import workers_launch as w
+
+
+def alive(pid: int) -> bool:
+    """True if pid runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def pids(folder) -> list[int]:
+    return [int(p.read_text()) for p in sorted(Path(folder).glob("*.pid"))]
+
+
+def assert_all_gone(folder, expected: int, within: float = 5.0):
+    found = pids(folder)
+    assert len(found) == expected, f"only {len(found)} of {expected} ranks started"
+    end = time.monotonic() + within
+    while any(alive(p) for p in found) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [p for p in found if alive(p)], "workers were left behind"
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_results_come_back_by_rank(world, capsys):
+    results = minipar.launch(w.hello, world, 10)
+    assert results == [(10 * r, float(sum(range(world)))) for r in range(world)]
+    out = capsys.readouterr().out
+    for r in range(world):
+        assert f"[rank {r}] hello from rank {r} of {world}" in out
+        assert f"[rank {r}] to stderr from rank {r}" in out
+
+
+def test_gloo_on_cpu_and_threads_shared_between_ranks():
+    results = minipar.launch(w.backend_and_threads, 4, backend="gloo")
+    assert {b for b, _ in results} == {"gloo"}
+    assert {t for _, t in results} == {max(1, (os.cpu_count() or 1) // 4)}
+
+
+def test_a_raising_rank_stops_the_job_with_its_traceback(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(minipar.WorkerError) as err:
+        minipar.launch(w.fail_on, 3, 1, tmp_path, timeout=60)
+    assert time.monotonic() - start < 15, "the others were not stopped promptly"
+    message = str(err.value)
+    assert "rank 1 of 3 raised" in message
+    assert "ValueError: rank 1 failed on purpose" in message and "fail_on" in message  # the traceback
+    assert_all_gone(tmp_path, 3)
+
+
+def test_a_rank_that_dies_ends_the_job(tmp_path):
+    with pytest.raises(minipar.WorkerError, match="(?s)rank 2 of 3 died.*exit code 3"):
+        minipar.launch(w.die_on, 3, 2, tmp_path, timeout=60)
+    assert_all_gone(tmp_path, 3)
+
+
+def test_a_hanging_rank_ends_the_job_after_the_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(minipar.WorkerTimeout) as err:
+        minipar.launch(w.hang_on, 2, 0, tmp_path, timeout=3)
+    assert 3 <= time.monotonic() - start < 12
+    message = str(err.value)
+    assert "did not finish in 3 s" in message
+    assert "hang_on" in message  # each stuck rank's stack says where it was
+    assert_all_gone(tmp_path, 2)
+
+
+def test_workers_exit_when_their_caller_is_killed(tmp_path):
+    caller = subprocess.Popen([sys.executable, str(Path(__file__).parent / "caller_killed.py"), str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 60
+    while len(pids(tmp_path)) < 2 and time.monotonic() < end:
+        time.sleep(0.1)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    assert_all_gone(tmp_path, 2, within=10)
+
+
+def test_bad_arguments_fail_before_any_process_starts():
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        minipar.launch(w.hello, 0, 1)
+    with pytest.raises(ValueError, match="needs one GPU per rank"):
+        minipar.launch(w.hello, 2, 1, backend="nccl")
+    with pytest.raises(ValueError, match="backend must be"):
+        minipar.launch(w.hello, 2, 1, backend="mpi")
+
+
+def test_under_torchrun_it_joins_the_job(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import minipar, workers_launch\n"
+                      "if __name__ == '__main__':\n"
+                      "    print('RESULT', minipar.launch(workers_launch.hello, 2, 7))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    with socket.socket() as s:  # a free port for torchrun's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # every rank gets every rank's result (the two ranks' prints may interleave)
+    assert out.stdout.count("RESULT") == out.stdout.count("[(0, 1.0), (7, 1.0)]") == 2

@@ -1,0 +1,43 @@
+"""Single-process training: the reference every parallel layout is compared with."""
+import math
+
+import torch
+
+import minipar
+from minipar import GPTConfig, ParallelConfig
+from reference import assert_same_training
+
+TINY = GPTConfig.preset("tiny")
+
+
+def test_training_on_the_bundled_corpus_lowers_the_loss():
+    res = minipar.train(TINY, steps=40, global_batch=16, lr=3e-3, data="shakespeare")
+    assert abs(res.losses[0] - math.log(96)) < 0.15
+    assert sum(res.losses[-5:]) / 5 < res.losses[0] - 1.0
+    assert len(res.step_times) == 40 and res.tokens_per_s > 0 and 0 < res.mfu < 1
+
+
+def test_same_seed_same_run_and_accumulation_equals_one_big_batch():
+    a = minipar.train(TINY, steps=3, global_batch=8, return_state=True)
+    b = minipar.train(TINY, steps=3, global_batch=8, return_state=True)
+    c = minipar.train(TINY, ParallelConfig(microbatches=4), steps=3, global_batch=8, return_state=True)
+    assert a.losses == b.losses
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    assert_same_training(c, a)
+
+
+def test_memory_is_counted_by_category():
+    res = minipar.train(TINY, steps=2, global_batch=4)
+    mem = res.peak_memory[0]
+    assert set(mem) == {"params", "grads", "optimizer", "activations", "comm"}
+    assert mem["params"] == mem["grads"] == 4 * TINY.num_params      # fp32
+    tensors = len(minipar.GPT(TINY).state_dict())
+    assert mem["optimizer"] == 2 * 4 * TINY.num_params + 4 * tensors  # two moments + a step counter each
+    assert mem["activations"] > 4 * 4 * TINY.seq_len * TINY.d_model * TINY.n_layer  # at least the layer inputs
+
+
+def test_bf16_autocast_trains_close_to_fp32():
+    fp32 = minipar.train(TINY, steps=5, global_batch=8, data="shakespeare")
+    bf16 = minipar.train(TINY, ParallelConfig(precision="bf16"), steps=5, global_batch=8, data="shakespeare")
+    assert max(abs(a - b) for a, b in zip(fp32.losses, bf16.losses)) < 0.05
+    assert fp32.losses != bf16.losses

@@ -1,0 +1,56 @@
+"""Worker functions for test_launch (workers import them by name)."""
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def note_pid(folder):
+    Path(folder, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+
+
+def hello(x):
+    print(f"hello from rank {dist.get_rank()} of {dist.get_world_size()}")
+    print(f"to stderr from rank {dist.get_rank()}", file=sys.stderr)
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank() * x, t.item()
+
+
+def fail_on(bad_rank, folder):
+    note_pid(folder)
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"rank {bad_rank} failed on purpose")
+    dist.barrier()   # the others wait for a rank that never comes
+    time.sleep(60)
+
+
+def die_on(bad_rank, folder):
+    note_pid(folder)
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    time.sleep(60)
+
+
+def hang_on(bad_rank, folder):
+    note_pid(folder)
+    if dist.get_rank() == bad_rank:
+        time.sleep(600)   # a rank stuck in its own code
+    dist.barrier()
+
+
+def backend_and_threads():
+    return dist.get_backend(), torch.get_num_threads()
+
+
+def mesh_groups(dp, tp, pp):
+    """This rank's coordinates and the global ranks of its three groups."""
+    from minipar import Mesh
+    mesh = Mesh.build(dp, tp, pp)
+    ranks = {axis: dist.get_process_group_ranks(getattr(mesh, f"{axis}_group")) for axis in ("dp", "tp", "pp")}
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=mesh.tp_group)  # the groups work
+    return mesh.coords(), ranks, t.item()
