@@ -105,36 +105,51 @@ def _forkserver():
     return _CONTEXT
 
 
-def _collect(procs, results: dict, outputs: dict, timeout: float) -> list:
-    """Wait for every rank's result, echoing output; stop at the first error or at the deadline."""
+def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float = 0.5) -> list:
+    """Wait for every rank's result, echoing output; stop at the first failure or at the deadline.
+
+    When one rank fails, the others often fail a moment later because their peer hung up. Failures
+    that arrive within `grace` seconds are gathered, and the cause is reported: the first failure
+    that is not a lost connection (a death is only seen when its pipe closes, so time alone can
+    put an echo first).
+    """
     deadline = time.monotonic() + timeout
-    done: dict[int, object] = {}
+    done, failed = {}, {}  # rank -> result; rank -> (wall time of the failure, what happened)
     pending = dict(results)
     while len(done) < len(procs):
         left = deadline - time.monotonic()
+        if failed and (not pending or time.monotonic() > first_failure + grace):
+            rank, (_, what) = min(failed.items(), key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
+            _drain(outputs)
+            raise WorkerError(f"rank {rank} of {len(procs)} {what} (the others were stopped)")
         if left <= 0:
             unfinished = [r for r in range(len(procs)) if r not in done]
             _dump_stacks(procs, unfinished, outputs)
             stacks = "\n".join(f"--- rank {r} ---\n" + "\n".join(outputs[r].tail) for r in unfinished)
             raise WorkerTimeout(f"job did not finish in {timeout:g} s; ranks {unfinished} were still "
                                 f"running, their last output and stacks:\n{stacks}")
-        for obj in _wait(pending, outputs, timeout=min(left, 1.0)):
+        for obj in _wait(pending, outputs, timeout=min(left, grace if failed else 1.0)):
             rank = pending.pop(obj)
             try:
-                status, payload = pickle.loads(obj.recv_bytes())
+                status, payload, when = pickle.loads(obj.recv_bytes())
             except EOFError:  # the pipe closed without a result: the rank died
                 procs[rank].join(1.0)
                 _drain(outputs)
-                status, payload = "died", (f"exit code {procs[rank].exitcode} (killed, or os._exit); "
-                                           "its last output:\n" + "\n".join(outputs[rank].tail))
+                status, when = "died", time.time()
+                payload = (f"exit code {procs[rank].exitcode} (killed, or os._exit); its last output:\n"
+                           + "\n".join(outputs[rank].tail))
             if status == "ok":
                 done[rank] = payload
                 continue
-            _drain(outputs)
-            raise WorkerError(f"rank {rank} of {len(procs)} {'raised' if status == 'error' else 'died'}"
-                              f" (the others were stopped):\n{payload}")
+            first_failure = time.monotonic() if not failed else first_failure
+            failed[rank] = (when, f"{'raised' if status == 'error' else 'died'}:\n{payload}")
     _drain(outputs)
     return [done[r] for r in range(len(procs))]
+
+
+def _peer_lost(text: str) -> bool:
+    """Whether a failure reads as the echo of another rank's: its connection to a peer went away."""
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
 class _Output:
@@ -215,14 +230,14 @@ def _worker(fn, args, kwargs, rank, world_size, backend, port, timeout, threads,
                               timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        message = ("ok", fn(*args, **kwargs))
+        message = ("ok", fn(*args, **kwargs), time.time())
     except BaseException:
-        message = ("error", traceback.format_exc())
+        message = ("error", traceback.format_exc(), time.time())
     sys.stdout.flush(), sys.stderr.flush()
     try:
         result_w.send_bytes(pickle.dumps(message))
     except Exception:
-        result_w.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        result_w.send_bytes(pickle.dumps(("error", traceback.format_exc(), time.time())))
     if message[0] == "ok":
         dist.destroy_process_group()
     os._exit(0 if message[0] == "ok" else 1)

@@ -9,7 +9,9 @@ import torch.distributed as dist
 
 
 def note_pid(folder):
+    """Leave this worker's pid for the test to check, once every rank has started."""
     Path(folder, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    dist.barrier()
 
 
 def hello(x):
