@@ -13,8 +13,8 @@ TORCH ?= torch==2.13.0
 
 setup: .venv/done
 
-train: setup   ## the main job: a short training run on the bundled corpus
-	$(PY) -m minipar train $(ARGS)
+train: setup   ## the main job: a short data-parallel training run (2 ranks) on the bundled corpus
+	$(PY) -m minipar train --dp 2 $(ARGS)
 
 test: setup    ## every test: pytest and the notebooks under nbval
 	$(PY) -m pytest --nbval-lax -q $(ARGS)

@@ -155,3 +155,84 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
                 samples.append(time.perf_counter() - start)
             times[name].append(min(samples))
     return times
+
+
+# ----------------------------------------------------------------------------- lesson 01
+
+DP_VARIANTS = {  # name -> what trains one step; every variant sees the same weights and the same batch
+    "local": "no gradient sync at all: the compute alone, the floor the others approach",
+    "ddp": "torch.nn.parallel.DistributedDataParallel, bucket_cap_mb = bucket_mb",
+    "bucketed/minipar": "minipar DataParallel, bucketed, minipar's ring on a communication thread",
+    "bucketed/torch": "minipar DataParallel, bucketed, the backend's async all-reduce",
+    "naive/minipar": "minipar DataParallel, one ring all-reduce per parameter after backward",
+    "naive/torch": "minipar DataParallel, one backend all-reduce per parameter after backward",
+}
+
+
+def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0, reps: int = 8,
+                warmup: int = 2, threads: int | None = None, variants=tuple(DP_VARIANTS)) -> dict:
+    """Time a training step of each data-parallel variant (`DP_VARIANTS`) side by side, interleaved.
+
+    cfg is a GPTConfig or a preset name. Each variant has its own copy of the model (same seed) and
+    AdamW; every rank takes `per_rank_batch` rows of one fixed synthetic batch. A repetition runs one
+    step of each variant, starting at a different one each time; each step starts at a barrier and
+    covers forward, backward, gradient sync, optimizer step. threads: intra-op threads per rank (None
+    keeps launch's choice). Returns this rank's {"step": {variant: [seconds per repetition]},
+    "sync": {variant: [seconds in DataParallel.finish(): communication that backward did not hide]},
+    "grad_diff": {variant: relative norm difference of its first averaged gradients from DDP's},
+    "tokens": tokens this rank trains on per step}.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from minipar import data
+    from minipar.data_parallel import DataParallel
+    from minipar.model import GPT, GPTConfig, cross_entropy
+    from minipar.train import make_optimizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
+    x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
+    x, y = data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
+    runs = {}
+    for name in variants:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        wrapped, sync = model, None
+        if name == "ddp":
+            ids = [device.index] if device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
+        elif name != "local":
+            mode, collectives = name.split("/")
+            sync = DataParallel(model, None, mode, int(bucket_mb * 2**20), collectives)
+        runs[name] = (wrapped, model, sync, make_optimizer(model, 1e-3, 0.0))
+    step, wait, grads = ({name: [] for name in variants} for _ in range(3))
+    for i in range(warmup + reps):
+        k = i % len(variants)
+        for name in variants[k:] + variants[:k]:
+            wrapped, model, sync, optimizer = runs[name]
+            dist.barrier()
+            _sync()
+            start = time.perf_counter()
+            cross_entropy(wrapped(x), y).backward()
+            backward_done = time.perf_counter()
+            if sync:
+                sync.finish()
+            _sync()
+            synced = time.perf_counter()
+            if i == 0:  # the first step: every model still holds the initial weights
+                grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()]).double().cpu()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync()
+            if i >= warmup:
+                step[name].append(time.perf_counter() - start)
+                wait[name].append(synced - backward_done)
+    for _, _, sync, _ in runs.values():
+        if sync:
+            sync.close()
+    ref = grads.get("ddp")
+    diff = {name: ((g - ref).norm() / ref.norm()).item() for name, g in grads.items()
+            if ref is not None and name != "local"}
+    return {"step": step, "sync": wait, "grad_diff": diff, "tokens": per_rank_batch * cfg.seq_len}

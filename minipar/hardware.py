@@ -29,7 +29,7 @@ def peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float
 
 
 def measured_matmul_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024,
-                          reps: int = 5) -> float:
+                          reps: int = 10) -> float:
     """FLOP/s of an n x n x n matmul on `device`, best of `reps` (2 n^3 FLOPs each)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)

@@ -59,8 +59,13 @@ def pick_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0, **kwargs) -> list:
-    """Run fn(*args, **kwargs) on `world_size` fresh ranks; return fn's results, by rank."""
+def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0, on_line=None,
+           **kwargs) -> list:
+    """Run fn(*args, **kwargs) on `world_size` fresh ranks; return fn's results, by rank.
+
+    on_line(rank, line) -> bool, if given, sees each line of rank output first; True means it was
+    handled (a progress report, say) and is not printed.
+    """
     if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not timeout > 0:
@@ -87,7 +92,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
             result_w.close(), out_w.close()
             procs.append(p)
             results[result_r] = rank
-            outputs[rank] = _Output(rank, out_r)
+            outputs[rank] = _Output(rank, out_r, on_line)
         return _collect(procs, results, outputs, timeout)
     finally:
         _stop(procs)
@@ -155,8 +160,8 @@ def _peer_lost(text: str) -> bool:
 class _Output:
     """One rank's output pipe and the partial line read from it so far."""
 
-    def __init__(self, rank: int, conn):
-        self.rank, self.conn, self.partial, self.open = rank, conn, b"", True
+    def __init__(self, rank: int, conn, on_line=None):
+        self.rank, self.conn, self.partial, self.open, self.on_line = rank, conn, b"", True, on_line
         self.tail = collections.deque(maxlen=60)  # the last lines, for error messages
 
     def echo(self) -> None:
@@ -170,6 +175,8 @@ class _Output:
             self.open = False
             lines, self.partial = [*lines, self.partial] if self.partial else lines, b""
         for line in map(lambda b: b.decode(errors="replace"), lines):
+            if self.on_line and self.on_line(self.rank, line):
+                continue
             self.tail.append(line)
             print(f"[rank {self.rank}] {line}", flush=True)
 

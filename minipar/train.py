@@ -65,11 +65,20 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     if data not in dataset.SOURCES:
         raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
     pick_backend(backend, par.world)  # a world larger than the devices fails here, before any process
-    args = (cfg, par, steps, global_batch, lr, weight_decay, seed, data, return_state, progress)
-    if par.world == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
-        ranks = [train_rank(*args, device="cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu")]
-    else:
-        ranks = launch(train_rank, par.world, *args, backend=backend, timeout=timeout)
+    args = (cfg, par, steps, global_batch, lr, weight_decay, seed, data, return_state)
+    bar = ProgressBar(steps, show=progress)
+    try:
+        if par.world == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+            device = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
+            ranks = [train_rank(*args, report=bar.update if progress else None, device=device)]
+        elif "WORLD_SIZE" in os.environ:  # a torchrun job: this process is one rank
+            ranks = launch(train_rank, par.world, *args, report=bar.update if progress else None,
+                           backend=backend, timeout=timeout)
+        else:  # local workers report through their output, the bar is drawn here
+            ranks = launch(train_rank, par.world, *args, report=ProgressBar.print_line if progress else None,
+                           backend=backend, timeout=timeout, on_line=bar.on_line)
+    finally:
+        bar.close()
     steady = ranks[0]["step_times"][1:] or ranks[0]["step_times"]
     step = statistics.median(steady)
     # MFU's denominator: the peak of the devices the job ran on. Local CPU ranks share one CPU, so
@@ -108,9 +117,11 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state, progress,
-               device: str | None = None) -> dict:
-    """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights."""
+def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state,
+               report=None, device: str | None = None) -> dict:
+    """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights.
+
+    report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar)."""
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if dist.is_initialized() and \
             dist.get_backend() == "nccl" else "cpu"
@@ -122,9 +133,9 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
         if par.dp > 1 else None
     meter = memory.ActivationMeter(model.parameters())
     losses, step_times, mem = [], [], {}
-    bar = _progress(steps, progress and mesh.rank == 0)
+    report = report if mesh.rank == 0 else None
     with comm.count() as sent:
-        for step in bar:
+        for step in range(steps):
             start = time.perf_counter()
             x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
             loss_sum = 0.0
@@ -153,8 +164,8 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 torch.cuda.synchronize(device)
             step_times.append(time.perf_counter() - start)
             losses.append(loss_sum)
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{global_batch * cfg.seq_len / step_times[-1]:,.0f}")
+            if report:
+                report(loss_sum, global_batch * cfg.seq_len / step_times[-1])
     mem["activations"] = meter.peak
     timeline = dp.timeline if dp else []
     if dp:
@@ -171,11 +182,30 @@ def _mean_over(value: float, group) -> float:
     return t.item() / dist.get_world_size(group)
 
 
-def _progress(steps: int, show: bool):
-    """A tqdm bar over the steps (notebook-aware) when `show`, else a plain range.
+class ProgressBar:
+    """The caller's progress bar (tqdm, notebook-aware). Local ranks cannot reach it, so rank 0
+    prints a tagged line per step (`print_line`) and the launcher hands those lines to `on_line`."""
+    TAG = "minipar-progress:"
 
-    No tqdm at all on the other ranks: it creates a multiprocessing lock that a worker would leak."""
-    if not show:
-        return range(steps)
-    from tqdm.auto import tqdm
-    return tqdm(range(steps), desc="train", mininterval=0.5)
+    def __init__(self, steps: int, show: bool):
+        from tqdm.auto import tqdm
+        self.bar = tqdm(total=steps, desc="train", mininterval=0.5) if show else None
+
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    @staticmethod
+    def print_line(loss: float, tokens_per_s: float) -> None:
+        print(f"{ProgressBar.TAG} {loss} {tokens_per_s}", flush=True)
+
+    def on_line(self, rank: int, line: str) -> bool:
+        if not line.startswith(self.TAG):
+            return False
+        self.update(*map(float, line.split()[1:]))
+        return True
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -69,13 +69,16 @@ def test_collective_counts():
     assert ranks[0][1]["memory"]["comm"] == GRAD_BYTES                 # the buckets hold one gradient copy
 
 
-def test_dp_through_train_and_the_cli(tmp_path):
+def test_dp_through_train_and_the_cli(tmp_path, capsys):
     res = minipar.train(TINY, ParallelConfig(dp=2), steps=2, global_batch=4)
     assert len(res.peak_memory) == 2 and res.comm_calls[0] == {"all_reduce": 2}
     from minipar.__main__ import main
     main(["train", "--dp", "2", "--steps", "2", "--global-batch", "4", "--plot", str(tmp_path / "l.png"),
           "--sample", "10"])
     assert (tmp_path / "l.png").exists()
+    out, err = capsys.readouterr()
+    assert "layout: dp=2" in out and "rank 1 memory" in out
+    assert "train: 100%" in err and "minipar-progress" not in out + err  # the bar is drawn by the caller
 
 
 def test_bad_dp_options():
