@@ -62,13 +62,12 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
-def measure(model, optimizer, activations: int, comm: int = 0) -> dict[str, int]:
-    """This rank's memory by category, in bytes; call after backward, before the grads are zeroed."""
-    params = list(model.parameters())
+def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0) -> dict[str, int]:
+    """A rank's memory by category, in bytes, from the tensors it holds in each (each storage once)."""
     return {
         "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
-        "optimizer": tensor_bytes(optimizer_tensors(optimizer)),
+        "grads": tensor_bytes(grads),
+        "optimizer": tensor_bytes(optimizer_state),
         "activations": activations,
         "comm": comm,
     }

@@ -29,8 +29,9 @@ from minipar.hardware import peak_flops
 from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig, cross_entropy
+from minipar.zero import ZeroOptimizer
 
-IMPLEMENTED = dict(tp=1, pp=1, zero=0, precision=("fp32", "bf16"), recompute=("none",))
+IMPLEMENTED = dict(tp=1, pp=1, zero=(0, 1, 2), precision=("fp32", "bf16"), recompute=("none",))
 
 
 @dataclass
@@ -128,9 +129,13 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     mesh = Mesh.build(par.dp, par.tp, par.pp)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
-    optimizer = make_optimizer(model, lr, weight_decay)
-    dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives) \
-        if par.dp > 1 else None
+    if par.zero:  # ZeRO syncs the gradients itself, inside its step
+        optimizer = ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, collectives=par.collectives)
+        dp = None
+    else:
+        optimizer = make_optimizer(model, lr, weight_decay)
+        dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives) \
+            if par.dp > 1 else None
     meter = memory.ActivationMeter(model.parameters())
     losses, step_times, mem = [], [], {}
     report = report if mesh.rank == 0 else None
@@ -155,11 +160,12 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 loss_sum += loss.item()
             if dp:
                 dp.finish()
+            if par.dp > 1:
                 loss_sum = _mean_over(loss_sum, mesh.dp_group)
             optimizer.step()
             if step == 0:  # grads still held, optimizer state just allocated
-                mem = memory.measure(model, optimizer, activations=0, comm=dp.comm_buffer_bytes if dp else 0)
-            optimizer.zero_grad(set_to_none=True)
+                mem = _measure(model, optimizer, dp)
+            optimizer.zero_grad()
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
             step_times.append(time.perf_counter() - start)
@@ -173,6 +179,15 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
     return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
+
+
+def _measure(model, optimizer, dp) -> dict[str, int]:
+    """This rank's persistent memory by category (activations are filled in at the end)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return memory.measure(model.parameters(), optimizer.grad_tensors(), optimizer.state_tensors(),
+                              comm=memory.tensor_bytes([optimizer.grad_shard]) if optimizer.stage == 1 else 0)
+    return memory.measure(model.parameters(), [p.grad for p in model.parameters() if p.grad is not None],
+                          memory.optimizer_tensors(optimizer), comm=dp.comm_buffer_bytes if dp else 0)
 
 
 def _mean_over(value: float, group) -> float:

@@ -6,3 +6,4 @@ def train_variants(cfg, variants, steps, global_batch):
     """Run train_rank for each ParallelConfig in `variants`; return what each rank saw, by variant."""
     return [train_rank(cfg, par, steps, global_batch, 1e-3, 0.1, 0, "synthetic", True)
             for par in variants]
+
