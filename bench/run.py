@@ -10,9 +10,9 @@ import argparse
 import pathlib
 import sys
 
-import allreduce  # bench/ is on sys.path (the script's folder), so workers import it by name too
+import allreduce, ddp  # bench/ is on sys.path (the script's folder), so workers import it by name too
 
-ENTRIES = {"allreduce": allreduce}
+ENTRIES = {"allreduce": allreduce, "ddp": ddp}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 

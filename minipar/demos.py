@@ -12,8 +12,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from minipar import comm
+from minipar import comm, data
+from minipar.data_parallel import DataParallel
+from minipar.model import GPT, GPTConfig, cross_entropy
+from minipar.train import make_optimizer
 
 
 def _device() -> torch.device:
@@ -182,13 +186,6 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     "grad_diff": {variant: relative norm difference of its first averaged gradients from DDP's},
     "tokens": tokens this rank trains on per step}.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    from minipar import data
-    from minipar.data_parallel import DataParallel
-    from minipar.model import GPT, GPTConfig, cross_entropy
-    from minipar.train import make_optimizer
-
     if threads:
         torch.set_num_threads(threads)
     cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
@@ -236,3 +233,8 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     diff = {name: ((g - ref).norm() / ref.norm()).item() for name, g in grads.items()
             if ref is not None and name != "local"}
     return {"step": step, "sync": wait, "grad_diff": diff, "tokens": per_rank_batch * cfg.seq_len}
+
+
+def slowest_rank(by_rank: list[dict], key: str = "step") -> dict[str, list[float]]:
+    """From `compare_ddp`'s results by rank: {variant: each repetition's time on its slowest rank}."""
+    return {name: [max(ts) for ts in zip(*(r[key][name] for r in by_rank))] for name in by_rank[0][key]}

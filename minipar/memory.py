@@ -35,8 +35,7 @@ class ActivationMeter:
     Call `meter.release()` after a backward: the saved tensors are freed then.
     """
 
-    def __init__(self, params):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self):
         self.live: set[int] = set()  # storages saved since the last release
         self.current = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -44,7 +43,8 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.param_storages and ptr not in self.live:
+        base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()), is not an activation
+        if not (base.is_leaf and base.requires_grad) and ptr not in self.live:
             self.live.add(ptr)
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)

@@ -29,9 +29,9 @@ from minipar.hardware import peak_flops
 from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.zero import ZeroOptimizer
+from minipar.zero import Zero3, ZeroOptimizer
 
-IMPLEMENTED = dict(tp=1, pp=1, zero=(0, 1, 2), precision=("fp32", "bf16"), recompute=("none",))
+IMPLEMENTED = dict(tp=1, pp=1, precision=("fp32", "bf16"), recompute=("none",))
 
 
 @dataclass
@@ -129,14 +129,16 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     mesh = Mesh.build(par.dp, par.tp, par.pp)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
-    if par.zero:  # ZeRO syncs the gradients itself, inside its step
+    if par.zero == 3:  # ZeRO syncs the gradients itself: in backward (stage 3) or in its step
+        optimizer, dp = Zero3(model, mesh.dp_group, lr, weight_decay, collectives=par.collectives), None
+    elif par.zero:
         optimizer = ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, collectives=par.collectives)
         dp = None
     else:
         optimizer = make_optimizer(model, lr, weight_decay)
         dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives) \
             if par.dp > 1 else None
-    meter = memory.ActivationMeter(model.parameters())
+    meter = memory.ActivationMeter()
     losses, step_times, mem = [], [], {}
     report = report if mesh.rank == 0 else None
     with comm.count() as sent:
@@ -174,6 +176,11 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 report(loss_sum, global_batch * cfg.seq_len / step_times[-1])
     mem["activations"] = meter.peak
     timeline = dp.timeline if dp else []
+    if par.zero == 3:
+        mem["comm"] = optimizer.peak_gathered_bytes
+        if return_state:
+            optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
+        optimizer.close()
     if dp:
         dp.close()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
@@ -183,6 +190,8 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
 
 def _measure(model, optimizer, dp) -> dict[str, int]:
     """This rank's persistent memory by category (activations are filled in at the end)."""
+    if isinstance(optimizer, Zero3):
+        return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors())
     if isinstance(optimizer, ZeroOptimizer):
         return memory.measure(model.parameters(), optimizer.grad_tensors(), optimizer.state_tensors(),
                               comm=memory.tensor_bytes([optimizer.grad_shard]) if optimizer.stage == 1 else 0)

@@ -189,8 +189,10 @@ def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str =
             for what, start, end in spans:
                 if what in _COMPUTE:
                     ax.barh(y_compute, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.7,
-                            color=_COMPUTE[what], hatch="//" if what == "wait" else None, edgecolor="white", lw=0.3)
+                            color=_COMPUTE[what], hatch="//" if what == "wait" else None,
+                            edgecolor="white", lw=0.3)
         ax.set_yticks(*zip(*ticks), fontsize=8)
+        ax.set_xlim(left=0)
         ax.invert_yaxis()
         ax.set_title(label, fontsize=10, loc="left")
         ax.grid(axis="x", alpha=0.3)
@@ -218,6 +220,8 @@ def memory_bars(runs: dict[str, list[dict]], title: str = "memory per rank") -> 
         mib = np.array([m.get(cat, 0) / 2**20 for m in fullest.values()])
         ax.bar(list(runs), mib, 0.6, bottom=bottom, label=cat)
         bottom += mib
+    for x, total in enumerate(bottom):
+        ax.text(x, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
     ax.set(ylabel="MiB (fullest rank)", title=title)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)

@@ -1,10 +1,10 @@
 """ZeRO: shard what data parallelism replicates (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models").
 
-Every parameter lives in one flat buffer, padded to a multiple of the N data-parallel ranks and cut
+Parameters are laid out in a flat buffer, padded to a multiple of the N data-parallel ranks and cut
 into N equal shards; rank r owns shard r:
 
-    flat = [ shard 0 | shard 1 | ... | shard N-1 ]      (params are views into it)
+    flat = [ shard 0 | shard 1 | ... | shard N-1 ]      (parameters are views into it)
              rank 0    rank 1          rank N-1
 
   stage 1  optimizer state sharded: after backward the gradients are reduce-scattered (rank r gets
@@ -12,24 +12,109 @@ into N equal shards; rank r owns shard r:
            and the updated shards are all-gathered back into every rank's flat buffer.
   stage 2  + gradients sharded: the same collectives, but each rank keeps only its gradient shard
            (here the full gradient lives from backward until the reduce-scatter, then is freed).
+  stage 3  + parameters sharded: one flat buffer per unit (a block, an embedding, the head: FSDP's
+           FlatParameter), of which a rank keeps only its shard. A unit's parameters are all-gathered
+           just before its forward (the next unit's gather is prefetched meanwhile) and freed after
+           it; gathered again when backward reaches the unit; and once its gradients are complete they
+           are reduce-scattered into the rank's gradient shard and freed too.
 
 The optimizer is PyTorch's AdamW, run on per-parameter pieces of the shard (Parameters that alias
-the flat buffer), so each element gets exactly the update the single-process run gives it.
+the shard), so each element gets exactly the update the single-process run gives it.
 
-Cost per rank, for P parameters in fp32 (K = 8 bytes of Adam moments per parameter), N ranks:
+Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter), N ranks:
   memory    stage 0 (DP)  4P params + 4P grads + 8P optimizer
             stage 1       4P params + 4P grads + 8P/N optimizer
             stage 2       4P params + 4P/N grads + 8P/N optimizer
-            (+ up to N-1 padding elements, + the comm scratch of the reduce-scatter)
-  traffic   reduce-scatter + all-gather: (N-1)/N * 4P bytes each, 2(N-1)/N * 4P in all: the same as
-            DP's all-reduce (the ZeRO paper's 2 Psi).
+            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units (two at most)
+            (+ up to N-1 padding elements per flat buffer)
+  traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as DP's all-reduce
+            stage 3: all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x)
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from minipar import comm
+
+
+class _Flat:
+    """The layout of some parameters in a flat buffer padded to n equal shards; rank owns one."""
+
+    def __init__(self, params: list, n: int, rank: int):
+        self.params, self.n = params, n
+        self.shapes = [p.shape for p in params]  # kept: a freed parameter is empty
+        self.ranges, offset = [], 0
+        for p in params:
+            self.ranges.append((offset, offset + p.numel()))
+            offset += p.numel()
+        self.total = offset
+        self.shard_size = -(-offset // n)  # ceil
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def flatten(self, tensors) -> torch.Tensor:
+        """One padded flat tensor from per-parameter tensors (None counts as zeros)."""
+        p0 = self.params[0]
+        flat = torch.zeros(self.shard_size * self.n, dtype=p0.dtype, device=p0.device)
+        for t, (start, end) in zip(tensors, self.ranges):
+            if t is not None:
+                flat[start:end].copy_(t.detach().reshape(-1))
+        return flat
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into `flat` (a full, gathered buffer)."""
+        for p, shape, (start, end) in zip(self.params, self.shapes, self.ranges):
+            p.data = flat[start:end].view(shape)
+
+    def adamw(self, shard: torch.Tensor, grad_shard: torch.Tensor, lr, weight_decay, betas):
+        """PyTorch's AdamW over the pieces of the parameters that fall in my shard.
+
+        Each piece is a Parameter aliasing `shard`, its grad a view of `grad_shard`. Weight decay
+        goes to the pieces of matrices only, as in the single-process optimizer."""
+        decay, no_decay = [], []
+        for shape, (start, end) in zip(self.shapes, self.ranges):
+            a, b = max(start, self.lo), min(end, self.hi)
+            if a < b:
+                piece = torch.nn.Parameter(shard[a - self.lo: b - self.lo])
+                piece.grad = grad_shard[a - self.lo: b - self.lo]
+                (decay if len(shape) >= 2 else no_decay).append(piece)
+        return torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
+                                  dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=betas)
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    """(N, rank) of the group; one process with no group is a group of one."""
+    return (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+
+
+def _reduce_scatter(tensor: torch.Tensor, group, collectives: str) -> torch.Tensor:
+    """My shard of the sum of `tensor` over the group (its length divides by the group size)."""
+    n, _ = _group_size_rank(group)
+    if n == 1:
+        return tensor
+    if collectives == "minipar":
+        return comm.reduce_scatter(tensor, group)
+    out = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)
+    comm.record("torch_reduce_scatter", (n - 1) * out.numel() * out.element_size(), 1)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+    reduce_scatter(out, tensor, group=group)
+    return out
+
+
+def _all_gather(shard: torch.Tensor, group, collectives: str) -> torch.Tensor:
+    """Every rank's shard, concatenated in rank order."""
+    n, _ = _group_size_rank(group)
+    if n == 1:
+        return shard
+    if collectives == "minipar":
+        return comm.all_gather(shard, group)
+    out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
+    comm.record("torch_all_gather", (n - 1) * shard.numel() * shard.element_size(), 1)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    all_gather(out, shard.contiguous(), group=group)
+    return out
 
 
 class ZeroOptimizer:
@@ -40,77 +125,30 @@ class ZeroOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, got {stage!r}")
         self.group, self.stage, self.collectives = group, stage, collectives
-        single = not dist.is_initialized()  # one process, no group: shards of one, nothing to send
-        self.size, self.rank = (1, 0) if single else (dist.get_world_size(group), dist.get_rank(group))
+        self.size, rank = _group_size_rank(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        total = sum(p.numel() for p in self.params)
-        self.shard_size = -(-total // self.size)  # ceil: pad the flat buffer to N equal shards
-        p0 = self.params[0]
-        self.flat = torch.zeros(self.shard_size * self.size, dtype=p0.dtype, device=p0.device)
-        self.ranges, offset = [], 0
-        for p in self.params:  # move every parameter into the flat buffer, as a view
-            self.flat[offset: offset + p.numel()].copy_(p.detach().view(-1))
-            p.data = self.flat[offset: offset + p.numel()].view_as(p)
-            self.ranges.append((offset, offset + p.numel()))
-            offset += p.numel()
-        lo, hi = self.rank * self.shard_size, (self.rank + 1) * self.shard_size
-        self.shard = self.flat[lo:hi]
+        self.layout = _Flat(self.params, self.size, rank)
+        self.flat = self.layout.flatten(self.params)
+        self.layout.point_params_at(self.flat)
+        self.shard = self.flat[self.layout.lo: self.layout.hi]
         self.grad_shard = torch.zeros_like(self.shard)
-        groups = {True: [], False: []}  # decay? -> pieces
-        self.pieces = []  # (piece Parameter, its slice of grad_shard)
-        for p, (start, end) in zip(self.params, self.ranges):
-            a, b = max(start, lo), min(end, hi)
-            if a < b:  # this parameter overlaps my shard
-                piece = torch.nn.Parameter(self.flat[a:b])  # aliases the flat buffer
-                self.pieces.append((piece, self.grad_shard[a - lo: b - lo]))
-                groups[p.dim() >= 2].append(piece)
-        self.optimizer = torch.optim.AdamW(
-            [dict(params=groups[True], weight_decay=weight_decay), dict(params=groups[False], weight_decay=0.0)],
-            lr=lr, betas=betas)
+        self.optimizer = self.layout.adamw(self.shard, self.grad_shard, lr, weight_decay, betas)
 
     def step(self) -> None:
         """Average the gradients into my shard, update my shard, all-gather the parameters."""
-        grads = torch.zeros_like(self.flat)
-        for p, (start, end) in zip(self.params, self.ranges):
-            if p.grad is not None:
-                grads[start:end].copy_(p.grad.view(-1))
+        grads = self.layout.flatten(p.grad for p in self.params)
         if self.stage == 2:  # keep only the shard: the full gradient goes as soon as it is reduced
             for p in self.params:
                 p.grad = None
-        self.grad_shard.copy_(self._reduce_scatter(grads)).div_(self.size)
+        self.grad_shard.copy_(_reduce_scatter(grads, self.group, self.collectives)).div_(self.size)
         del grads
-        for piece, grad in self.pieces:
-            piece.grad = grad
         self.optimizer.step()
-        self._all_gather_into(self.flat, self.shard)
+        self.flat.copy_(_all_gather(self.shard, self.group, self.collectives))
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
         self.grad_shard.zero_()
-
-    def _reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return tensor
-        if self.collectives == "minipar":
-            return comm.reduce_scatter(tensor, self.group)
-        out = torch.empty(self.shard_size, dtype=tensor.dtype, device=tensor.device)
-        comm.record("torch_reduce_scatter", (self.size - 1) * out.numel() * out.element_size(), 1)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
-        reduce_scatter(out, tensor, group=self.group)
-        return out
-
-    def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor) -> None:
-        if self.size == 1:
-            return
-        if self.collectives == "minipar":
-            out.copy_(comm.all_gather(shard, self.group))
-        else:
-            comm.record("torch_all_gather", (self.size - 1) * shard.numel() * shard.element_size(), 1)
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-            all_gather(out, shard.clone(), group=self.group)
-
-    # ----------------------------------------------------------------------------- accounting
 
     def state_tensors(self):
         """The optimizer state this rank holds (moments and step counters of its shard)."""
@@ -125,3 +163,122 @@ class ZeroOptimizer:
             yield from (p.grad for p in self.params if p.grad is not None)
         else:
             yield self.grad_shard
+
+
+class _Unit:
+    """One module's parameters, sharded (stage 3): the shard is all this rank keeps between uses."""
+
+    def __init__(self, module: torch.nn.Module, n: int, rank: int):
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.layout = _Flat(self.params, n, rank)
+        self.shard = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi].clone()
+        self.grad_shard = torch.zeros_like(self.shard)
+        self.gathering = None   # the future of an all-gather in flight
+        self.gathered = False
+        self.grads_in = 0       # parameters whose gradient has arrived in this backward
+        self.free()
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+        self.gathered = False
+
+
+class Zero3:
+    """ZeRO stage 3 over `group`: shards `model` in place; call `step()` after backward."""
+
+    def __init__(self, model: torch.nn.Module, group=None, lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas=(0.9, 0.95), collectives: str = "minipar"):
+        self.group, self.collectives = group, collectives
+        self.size, rank = _group_size_rank(group)
+        # units in forward order: the model's children, a ModuleList counting as its members
+        modules = [m for child in model.children()
+                   for m in (child if isinstance(child, torch.nn.ModuleList) else [child])]
+        self.units = [_Unit(m, self.size, rank) for m in modules if any(p.requires_grad for p in m.parameters())]
+        self.optimizers = [u.layout.adamw(u.shard, u.grad_shard, lr, weight_decay, betas) for u in self.units]
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
+        for i, unit in enumerate(self.units):
+            unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+            unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_arrived(i))
+
+    # ------------------------------------------------------------------------- gather and free
+
+    def _start_gather(self, i: int) -> None:
+        unit = self.units[i]
+        if not unit.gathered and unit.gathering is None:
+            unit.gathering = self._comm.submit(_all_gather, unit.shard, self.group, self.collectives)
+            self.gathered_bytes += unit.shard.numel() * self.size * unit.shard.element_size()  # its buffer
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def _gather(self, i: int) -> None:
+        """Wait for unit i's parameters (start the all-gather if no prefetch did) and point at them."""
+        unit = self.units[i]
+        if unit.gathered:
+            return
+        self._start_gather(i)
+        full, unit.gathering = unit.gathering.result(), None
+        unit.layout.point_params_at(full)
+        unit.gathered = True
+
+    def _free(self, i: int) -> None:
+        unit = self.units[i]
+        if unit.gathered:
+            self.gathered_bytes -= unit.shard.numel() * self.size * unit.shard.element_size()
+            unit.free()
+
+    def _before_forward(self, i: int) -> None:
+        self._gather(i)
+        if i + 1 < len(self.units):
+            self._start_gather(i + 1)  # prefetch: the next unit's all-gather overlaps this forward
+
+    def _after_forward(self, i: int, out) -> None:
+        self._free(i)
+        if isinstance(out, torch.Tensor) and out.requires_grad:  # backward reaches this unit here
+            out.register_hook(lambda grad, i=i: self._gather(i))
+
+    def _grad_arrived(self, i: int) -> None:
+        """All of unit i's gradients are in: reduce-scatter them into my shard, free the unit."""
+        unit = self.units[i]
+        unit.grads_in += 1
+        if unit.grads_in < len(unit.params):
+            return
+        unit.grads_in = 0
+        grads = unit.layout.flatten(p.grad for p in unit.params)
+        for p in unit.params:
+            p.grad = None
+        unit.grad_shard.add_(_reduce_scatter(grads, self.group, self.collectives))
+        self._free(i)
+
+    # ------------------------------------------------------------------------- optimizer interface
+
+    def step(self) -> None:
+        for unit, optimizer in zip(self.units, self.optimizers):
+            unit.grad_shard.div_(self.size)
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_shard.zero_()
+
+    def gather_all(self) -> None:
+        """Gather every unit (collective), e.g. to read the full weights; the next forward frees them."""
+        for i in range(len(self.units)):
+            self._gather(i)
+
+    def state_tensors(self):
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def grad_tensors(self):
+        return [u.grad_shard for u in self.units]
+
+    def param_tensors(self):
+        return [u.shard for u in self.units]
+
+    def close(self) -> None:
+        self._comm.shutdown()
