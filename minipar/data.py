@@ -62,9 +62,9 @@ def global_batch(source: str, step: int, batch: int, seq_len: int, vocab_size: i
 
 
 def shard(rows: torch.Tensor, dp_rank: int, dp: int, microbatch: int = 0, microbatches: int = 1):
-    """This DP rank's micro-batch `microbatch` of a global batch: contiguous rows, equal sizes."""
+    """This DP rank's micro-batch `microbatch` of a global batch: contiguous rows, equal sizes, a copy."""
     if rows.shape[0] % (dp * microbatches):
         raise ValueError(f"global batch {rows.shape[0]} does not divide by dp*microbatches = {dp * microbatches}")
     per_mb = rows.shape[0] // (dp * microbatches)
     start = (dp_rank * microbatches + microbatch) * per_mb
-    return rows[start: start + per_mb]
+    return rows[start: start + per_mb].clone()  # its own storage: a view would keep the whole batch

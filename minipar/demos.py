@@ -238,3 +238,71 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
 def slowest_rank(by_rank: list[dict], key: str = "step") -> dict[str, list[float]]:
     """From `compare_ddp`'s results by rank: {variant: each repetition's time on its slowest rank}."""
     return {name: [max(ts) for ts in zip(*(r[key][name] for r in by_rank))] for name in by_rank[0][key]}
+
+
+# ----------------------------------------------------------------------------- lesson 03
+
+
+def zero_memory(cfg, variants: list, steps: int = 2, global_batch: int = 8) -> list[dict]:
+    """Train `cfg` under each ParallelConfig of `variants` (all of this world's dp) in this one job.
+
+    Returns, per variant, this rank's {"memory": {category: bytes}, "comm": {collective: bytes sent},
+    "calls": {collective: calls}} as `minipar.train` measures them. One launch for many layouts: a
+    launch costs about a second a rank on a small CPU, the tiny model's steps a few milliseconds.
+    Runs in the caller's process too when every variant has dp = 1.
+    """
+    from minipar.train import train_rank
+    out = []
+    for par in variants:
+        r = train_rank(cfg, par, steps, global_batch, 1e-3, 0.0, 0, "synthetic", False)
+        out.append({"memory": r["memory"], "comm": r["comm"], "calls": r["calls"]})
+    return out
+
+
+def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar") -> dict:
+    """One ZeRO-3 training step with every gather and free of `zero.Zero3` recorded, on this rank.
+
+    Zero3 does not log its events, so this wraps three methods of the one instance it builds (an
+    instance attribute shadows the class's method, and Zero3's hooks call them through `self`):
+    `_start_gather` (an all-gather is launched: a unit's full buffer is allocated), `_free` (it is
+    released) and `_gather` (the compute waits for a unit to arrive). Returns
+    {"units": names in forward order, "unit_bytes": each unit's gathered size,
+     "events": [(what, unit, time, gathered bytes after)] with what "gather" or "free",
+     "waits": [(unit, start, end)] time blocked in _gather, "phases": [(what, start, end)] for
+     forward, backward and step, "peak": Zero3.peak_gathered_bytes}; times in perf_counter seconds.
+    """
+    from minipar.zero import Zero3
+    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(cfg).to(_device())
+    names = {id(m): name for name, m in model.named_modules()}
+    zero = Zero3(model, None, collectives=collectives)
+    events, waits = [], []
+
+    def record(method: str, what: str):
+        original = getattr(zero, method)
+
+        def recorded(i: int) -> None:
+            before, start = zero.gathered_bytes, time.perf_counter()
+            original(i)
+            if what == "wait":
+                waits.append((i, start, time.perf_counter()))
+            elif zero.gathered_bytes != before:  # it did gather (or free) something
+                events.append((what, i, start, zero.gathered_bytes))
+        setattr(zero, method, recorded)
+
+    record("_start_gather", "gather"), record("_free", "free"), record("_gather", "wait")
+    x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
+    x, y = data.shard(x, rank, world).to(_device()), data.shard(y, rank, world).to(_device())
+    t0 = time.perf_counter()
+    loss = cross_entropy(model(x), y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    zero.step()
+    zero.close()
+    return {"units": [names[id(u.module)] for u in zero.units],
+            "unit_bytes": [u.shard.numel() * world * u.shard.element_size() for u in zero.units],
+            "events": events, "waits": waits, "peak": zero.peak_gathered_bytes,
+            "phases": [("forward", t0, t1), ("backward", t1, t2), ("step", t2, time.perf_counter())]}

@@ -1,10 +1,15 @@
-"""Measured memory per rank, by category: params, grads, optimizer, activations, comm.
+"""Memory per rank, by category: params, grads, optimizer, activations, comm; measured and predicted.
 
 Persistent state is counted exactly, as the bytes of the tensors that hold it. Activations are what
 autograd saves for the backward pass: `ActivationMeter` watches every tensor saved during forward
 (`torch.autograd.graph.saved_tensors_hooks`), counts each storage once and leaves parameters out,
 and keeps the peak. On CUDA, `torch.cuda.max_memory_allocated` is the ground truth to compare with;
 on CPU there is no allocator statistic, which is why we count.
+
+`predict(cfg, par, global_batch)` gives the same categories from the configuration alone: model
+states by the ZeRO paper's formulas (fp32 4 + 4 + 8 bytes a parameter, mixed precision 2 + 2 + 12),
+activations by Korthikanti et al.'s per-layer count adjusted to what this GPT saves, communication
+buffers by what each technique allocates. `zero_table` recomputes the ZeRO paper's Table I.
 """
 from __future__ import annotations
 
@@ -71,3 +76,161 @@ def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0)
         "activations": activations,
         "comm": comm,
     }
+
+
+# ----------------------------------------------------------------------------- predicted
+#
+# The analytic model: the same categories, from the configuration alone, for one rank. Model states
+# follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3 and 5): Psi parameters at (params, grads,
+# optimizer) bytes each, the stage deciding which of the three is divided by N_d. Activations follow
+# Korthikanti et al. 2022 (Table 2), adjusted to what minipar's GPT really saves (see `activations`).
+
+FP32 = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights and grads, two fp32 Adam moments
+MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32 master + 2 moments
+
+
+def layout_bytes(precision: str) -> dict[str, int]:
+    """Bytes per parameter of each model state: FP32 for "fp32", the ZeRO paper's MIXED (2 + 2 + K,
+    K = 12) for "bf16" and "fp16"."""
+    return dict(FP32 if precision == "fp32" else MIXED)
+
+
+def model_states(psi: float, n_d: int, stage: int, bytes_per_param: dict | None = None) -> dict[str, float]:
+    """The ZeRO paper's model states per device, bytes, for Psi parameters over N_d ranks (no padding):
+
+        stage 0 (DP)  2Psi + 2Psi + K Psi            = 16 Psi             (MIXED: K = 12)
+        stage 1       2Psi + 2Psi + K Psi / N_d      = 4 Psi + 12 Psi / N_d
+        stage 2       2Psi + (2 + K) Psi / N_d       = 2 Psi + 14 Psi / N_d
+        stage 3       (2 + 2 + K) Psi / N_d          = 16 Psi / N_d
+    """
+    per = bytes_per_param or MIXED
+    sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    return {c: per[c] * psi / (n_d if sharded[c] else 1) for c in ("params", "grads", "optimizer")}
+
+
+def zero_table(psi: float, n_d: int, k: int = 12) -> dict[int, float]:
+    """The ZeRO paper's Table I: GB (1e9 bytes) of model states per device for stages 0..3, with
+    2 + 2 + K bytes per parameter (K = 12 for mixed-precision Adam). {stage: GB}."""
+    per = {"params": 2, "grads": 2, "optimizer": k}
+    return {stage: sum(model_states(psi, n_d, stage, per).values()) / 1e9 for stage in range(4)}
+
+
+def units(cfg) -> list[tuple[str, int]]:
+    """(name, parameters) of the ZeRO-3 units in forward order, as `zero.Zero3` cuts the GPT:
+
+        tok_emb V h | pos_emb s h | block 12h^2 + 12h (each of l) | ln_f 2h | head V h + V
+    """
+    h, V = cfg.d_model, cfg.vocab_size
+    blocks = [(f"blocks.{i}", 12 * h * h + 12 * h) for i in range(cfg.n_layer)]
+    return [("tok_emb", V * h), ("pos_emb", cfg.seq_len * h), *blocks, ("ln_f", 2 * h), ("head", V * h + V)]
+
+
+def _shard(total: int, n: int, rank: int) -> tuple[int, int]:
+    """(shard length, real elements `rank` owns) of a flat buffer padded to n equal shards (zero.py)."""
+    shard = -(-total // n)
+    return shard, max(0, min(total, (rank + 1) * shard) - rank * shard)
+
+
+def korthikanti(cfg, micro_batch: int, element_bytes: int = 2) -> float:
+    """The paper's activations for the l layers, bytes: l * sbh(34 + 5as/h) in 16-bit (Table 2, no
+    parallelism, no recomputation). Of the 34 sbh, 2 sbh are dropout masks (1 byte an element) and 32
+    are 16-bit values; of the 5as^2b, as^2b is the attention's dropout mask and 4 are 16-bit (the
+    softmax output and the dropout output). `element_bytes` rescales the values, not the masks."""
+    s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head
+    e = element_bytes / 2
+    return cfg.n_layer * (s * b * h * (32 * e + 2) + a * s * s * b * (4 * e + 1))
+
+
+def activations(cfg, micro_batch: int, element_bytes: int = 4) -> dict[str, int]:
+    """Bytes minipar's GPT saves for backward on one micro-batch of b sequences, by part.
+
+    Per layer, e bytes an element (4 in fp32, 2 for a 16-bit model):
+        16 sbh e    inputs of ln1 and ln2 (2), their outputs = the linears' inputs (2), q, k, v and
+                    the attention output (4), the GELU's input (4) and output (4)
+      +  4 sb e     mean and 1/std of the two LayerNorms
+      +  4 asb      the attention's log-sum-exp, fp32
+    That is Korthikanti's sbh(34 + 5as/h) less what minipar does not store: the two dropout masks
+    (2 sbh: dropout is off) and the attention matrix (5as^2b: F.scaled_dot_product_attention's fused
+    kernel keeps only the log-sum-exp and recomputes the probabilities in backward).
+    Outside the layers:
+        head     2 sbh e + 2 sb e   (ln_f's input, output and statistics)
+               + 4 sbV + 4          (the fp32 log-probabilities of the cross-entropy, its weight sum)
+        tokens   16 sb + 8 s        (int64 input ids and targets, positions)
+    """
+    s, b, h, a, V = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head, cfg.vocab_size
+    e = element_bytes
+    return {"layers": cfg.n_layer * (16 * s * b * h * e + 4 * s * b * e + 4 * a * s * b),
+            "head": 2 * s * b * h * e + 2 * s * b * e + 4 * s * b * V + 4,
+            "tokens": 16 * s * b + 8 * s}
+
+
+def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *, rank: int = 0
+            ) -> dict[str, int]:
+    """Predicted peak memory of one rank (default rank 0, the fullest), {category: bytes}, as
+    `train(...).peak_memory` measures it. Psi = cfg.num_params, N = par.dp, bytes per parameter
+    (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8) fp32, (2, 2, 12) mixed.
+
+      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer) | p Psi_pad/N (3)
+      grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
+      optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
+      activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches), e = 4 in fp32 and
+                 2 in 16-bit (a model held in 16 bits, as precision.MixedPrecision makes it)
+      comm       stage 0: the buckets, g Psi (bucketed, dp > 1) | 1: the reduce-scatter's output,
+                 g Psi_pad/N | 2: 0 (that output is the gradient shard) | 3: the gathered units, at
+                 most two adjacent ones at a time, p (full_i + full_{i+1}) at the largest pair
+    Psi_pad is Psi padded to a multiple of N (stage 3: each unit padded on its own). Not counted, as
+    the measurement does not count them: the optimizer's step counters (4 bytes for each parameter, or
+    piece of one, that a rank updates) and transient buffers: the flat gradient a stage-1/2 step
+    reduce-scatters from (g Psi_pad), a unit's full gradients in stage 3, and in stage 2 the full
+    gradients, which zero.py keeps from backward to the step (a production ZeRO-2 reduce-scatters
+    them bucket by bucket during backward instead).
+    """
+    if (par.tp, par.pp, par.recompute) != (1, 1, "none"):
+        raise NotImplementedError("predict covers dp x ZeRO layouts (tp = pp = 1, recompute 'none')")
+    par.check(cfg, global_batch)
+    per = bytes_per_param or layout_bytes(par.precision)
+    n, stage, psi = par.dp, par.zero, cfg.num_params
+    sizes = [size for _, size in units(cfg)] if stage == 3 else [psi]
+    shards = [_shard(size, n, rank) for size in sizes]
+    shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
+    if stage == 0:    # the buckets: a flat copy of the gradients
+        comm = per["grads"] * psi if n > 1 and par.dp_mode == "bucketed" else 0
+    elif stage == 1:  # the reduce-scatter's output
+        comm = per["grads"] * shard
+    elif stage == 2:  # that output is the gradient shard itself
+        comm = 0
+    else:             # a unit and the next one, prefetched, gathered at once
+        full = [n * s for s, _ in shards]
+        comm = per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)
+    b = global_batch // (par.dp * par.microbatches)
+    return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
+            "grads": per["grads"] * (psi if stage < 2 else shard),
+            "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
+            "activations": sum(activations(cfg, b, 4 if par.precision == "fp32" else 2).values()),
+            "comm": comm}
+
+
+def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
+    """Bytes one rank sends per step, {collective: bytes}, named as `comm.count` records them:
+
+      stage 0 (dp > 1)  all_reduce      2(N-1)/N g Psi          (ring; uneven chunks move it a few bytes)
+      stages 1, 2       reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  (N-1)/N p Psi_pad
+      stage 3           reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  2 (N-1)/N p Psi_pad
+                        (gathered before forward and again before backward: 3 Psi in all, 1.5x DP),
+                        times par.microbatches: every micro-batch gathers and reduces again
+    With par.collectives == "torch" the names get a "torch_" prefix. Nothing is sent when N = 1.
+    """
+    per = bytes_per_param or layout_bytes(par.precision)
+    n, psi = par.dp, cfg.num_params
+    if n == 1:
+        return {}
+    sizes = [size for _, size in units(cfg)] if par.zero == 3 else [psi]
+    shard = sum(_shard(size, n, 0)[0] for size in sizes)
+    if par.zero == 0:
+        sent = {"all_reduce": 2 * (n - 1) / n * per["grads"] * psi}
+    else:
+        times = par.microbatches if par.zero == 3 else 1
+        sent = {"reduce_scatter": times * (n - 1) * shard * per["grads"],
+                "all_gather": times * (2 if par.zero == 3 else 1) * (n - 1) * shard * per["params"]}
+    prefix = "torch_" if par.collectives == "torch" else ""
+    return {prefix + k: v for k, v in sent.items()}

@@ -23,11 +23,13 @@ Memory per parameter with Adam, Psi parameters (plus a 4-byte step counter per t
 With Adam, mixed precision saves no persistent memory: it moves 4 bytes from the weights and grads
 into the optimizer state. What it halves is the activations and the bytes each matmul moves.
 Transient: this naive step converts the 16-bit grads into fp32 master grads (4 Psi) for the update
-and frees them right after it, as DeepSpeed's FP16_Optimizer does; fused optimizers avoid even that.
+and frees them right after it, as DeepSpeed's FP16_Optimizer does (a fused optimizer that reads the
+16-bit grads directly avoids even that).
 
 Data parallelism: by default the gradients are all-reduced in fp32, on the master grads
 (`grads_to_master(reduce=...)`, 2(N-1)/N * 4 Psi bytes per rank), so the sum is not rounded to 16
 bits; the option is to all-reduce the 16-bit grads before `grads_to_master` (2(N-1)/N * 2 Psi).
+Either way an fp16 overflow on one rank reaches every rank through the sum, so all skip the step.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ class MixedPrecision:
                 reduce([p.grad for p in self.params if p.grad is not None])
             return True
         for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.float()  # a fp32 copy
+            m.grad = None if p.grad is None else p.grad.float()  # an fp32 copy
             p.grad = None
         grads = [m.grad for m in self.master if m.grad is not None]
         if reduce:
@@ -123,7 +125,7 @@ class MixedPrecision:
             return True
         for g in grads:
             g.mul_(1.0 / self.scaler.scale)
-        overflow = not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        overflow = any(not torch.isfinite(g).all() for g in grads)
         self.scaler.update(overflow)
         return not overflow
 
@@ -163,5 +165,6 @@ class MixedPrecision:
     def measure(self, optimizer) -> dict[str, int]:
         """Bytes by category after a step: params, grads (at their peak, recorded by grads_to_master),
         optimizer (master weights, moments and step counters)."""
+        optimizer_state = [*self.master_tensors(), *memory.optimizer_tensors(optimizer)]
         return {"params": memory.tensor_bytes(self.params), "grads": self.grad_bytes,
-                "optimizer": memory.tensor_bytes([*self.master_tensors(), *memory.optimizer_tensors(optimizer)])}
+                "optimizer": memory.tensor_bytes(optimizer_state)}

@@ -162,9 +162,9 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 loss_sum += loss.item()
             if dp:
                 dp.finish()
+            optimizer.step()  # before any other collective: ZeRO-3 may still be reducing gradients
             if par.dp > 1:
                 loss_sum = _mean_over(loss_sum, mesh.dp_group)
-            optimizer.step()
             if step == 0:  # grads still held, optimizer state just allocated
                 mem = _measure(model, optimizer, dp)
             optimizer.zero_grad()

@@ -15,8 +15,9 @@ into N equal shards; rank r owns shard r:
   stage 3  + parameters sharded: one flat buffer per unit (a block, an embedding, the head: FSDP's
            FlatParameter), of which a rank keeps only its shard. A unit's parameters are all-gathered
            just before its forward (the next unit's gather is prefetched meanwhile) and freed after
-           it; gathered again when backward reaches the unit; and once its gradients are complete they
-           are reduce-scattered into the rank's gradient shard and freed too.
+           it; gathered again when backward reaches the unit (prefetching the unit before it); and
+           once its gradients are complete they are reduce-scattered into the rank's gradient shard
+           and freed too.
 
 The optimizer is PyTorch's AdamW, run on per-parameter pieces of the shard (Parameters that alias
 the shard), so each element gets exactly the update the single-process run gives it.
@@ -28,7 +29,8 @@ Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter),
             stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units (two at most)
             (+ up to N-1 padding elements per flat buffer)
   traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as DP's all-reduce
-            stage 3: all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x)
+            stage 3: all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x),
+                     per micro-batch (with gradient accumulation it gathers again for each)
 """
 from __future__ import annotations
 
@@ -177,6 +179,7 @@ class _Unit:
         self.gathering = None   # the future of an all-gather in flight
         self.gathered = False
         self.grads_in = 0       # parameters whose gradient has arrived in this backward
+        self.reducing = []      # reduce-scatters of this unit's gradients in flight
         self.free()
 
     def free(self) -> None:
@@ -238,10 +241,15 @@ class Zero3:
     def _after_forward(self, i: int, out) -> None:
         self._free(i)
         if isinstance(out, torch.Tensor) and out.requires_grad:  # backward reaches this unit here
-            out.register_hook(lambda grad, i=i: self._gather(i))
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        self._gather(i)
+        if i > 0:
+            self._start_gather(i - 1)  # prefetch: backward goes on to the unit before
 
     def _grad_arrived(self, i: int) -> None:
-        """All of unit i's gradients are in: reduce-scatter them into my shard, free the unit."""
+        """All of unit i's gradients are in: start reducing them into my shard, free the unit."""
         unit = self.units[i]
         unit.grads_in += 1
         if unit.grads_in < len(unit.params):
@@ -250,13 +258,18 @@ class Zero3:
         grads = unit.layout.flatten(p.grad for p in unit.params)
         for p in unit.params:
             p.grad = None
-        unit.grad_shard.add_(_reduce_scatter(grads, self.group, self.collectives))
+        # on the communication thread, after any gather queued before it: every collective of a
+        # rank must run in one order, the same on all ranks
+        unit.reducing.append(self._comm.submit(_reduce_scatter, grads, self.group, self.collectives))
         self._free(i)
 
     # ------------------------------------------------------------------------- optimizer interface
 
     def step(self) -> None:
         for unit, optimizer in zip(self.units, self.optimizers):
+            for reduced in unit.reducing:  # one per micro-batch
+                unit.grad_shard.add_(reduced.result())
+            unit.reducing.clear()
             unit.grad_shard.div_(self.size)
             optimizer.step()
 
