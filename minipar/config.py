@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 RECOMPUTE = ("none", "selective", "full")
 DP_MODES = ("naive", "bucketed")
 COLLECTIVES = ("minipar", "torch")
@@ -36,7 +36,8 @@ class ParallelConfig:
     schedule: str = "1f1b"           # pipeline schedule, one of SCHEDULES
     virtual_stages: int = 1          # model chunks per pipeline rank (> 1 only for "interleaved-1f1b")
     sequence_parallel: bool = False  # shard LayerNorm/dropout activations along the sequence (needs tp > 1)
-    precision: str = "fp32"          # "fp32"; "bf16" autocast with fp32 master weights; "fp16" + loss scaling
+    precision: str = "fp32"          # "fp32"; "bf16" 16-bit weights, fp32 masters; "fp16" + loss scaling;
+                                     #   "pure-bf16" no masters (the contrast)
     recompute: str = "none"          # activation recomputation: "none", "selective" (attention), "full"
     dp_mode: str = "bucketed"        # gradient all-reduce: "naive" (one per parameter, after backward) or
                                      #   "bucketed" (overlapped with backward)

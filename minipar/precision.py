@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 
 from minipar import memory
+from minipar.config import PRECISIONS  # ("fp32", "bf16", "fp16", "pure-bf16")
 
-PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "pure-bf16": torch.bfloat16}
 
 

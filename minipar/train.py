@@ -29,9 +29,10 @@ from minipar.hardware import peak_flops
 from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig, cross_entropy
+from minipar.precision import DTYPES, MixedPrecision
 from minipar.zero import Zero3, ZeroOptimizer
 
-IMPLEMENTED = dict(tp=1, pp=1, precision=("fp32", "bf16"), recompute=("none",))
+IMPLEMENTED = dict(tp=1, pp=1, recompute=("none",))
 
 
 @dataclass
@@ -84,7 +85,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     step = statistics.median(steady)
     # MFU's denominator: the peak of the devices the job ran on. Local CPU ranks share one CPU, so
     # its measured peak counts once; GPU ranks each bring their own.
-    device, dtype = ranks[0]["device"], torch.bfloat16 if par.precision == "bf16" else torch.float32
+    device, dtype = ranks[0]["device"], DTYPES[par.precision]
     peak = peak_flops(device.split(":")[0], dtype) * (par.world if device.startswith("cuda") else 1)
     return TrainResult(
         losses=ranks[0]["losses"], step_times=ranks[0]["step_times"],
@@ -96,18 +97,14 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def _check_implemented(par: ParallelConfig) -> None:
+    if par.zero and par.precision != "fp32":
+        raise NotImplementedError(f"ZeRO (zero={par.zero}) runs in fp32 so far; precision={par.precision!r} "
+                                  "with ZeRO is not implemented yet")
     for name, allowed in IMPLEMENTED.items():
         value = getattr(par, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise NotImplementedError(f"ParallelConfig.{name}={value!r} is not implemented yet "
                                       f"(this version supports {name} in {allowed})")
-
-
-def autocast(precision: str, device: str):
-    """bf16 autocast for the forward when asked; fp32 weights and optimizer stay as they are."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -129,15 +126,23 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     mesh = Mesh.build(par.dp, par.tp, par.pp)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
+    mp = MixedPrecision(model, par.precision)  # before anything captures the parameters' dtype
+    reduce = None  # what reduces the gradients, if the optimizer step does not
     if par.zero == 3:  # ZeRO syncs the gradients itself: in backward (stage 3) or in its step
         optimizer, dp = Zero3(model, mesh.dp_group, lr, weight_decay, collectives=par.collectives), None
     elif par.zero:
         optimizer = ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, collectives=par.collectives)
         dp = None
-    else:
-        optimizer = make_optimizer(model, lr, weight_decay)
+    elif mp.master is None:  # fp32 or pure bf16: the model's own gradients are all-reduced
+        optimizer = make_optimizer(mp.optimized, lr, weight_decay)
         dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives) \
             if par.dp > 1 else None
+    else:  # mixed precision: the fp32 master gradients are all-reduced, one per tensor (naive)
+        optimizer = make_optimizer(mp.optimized, lr, weight_decay)
+        dp = None
+        if par.dp > 1:
+            masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)
+            reduce = lambda grads: masters.finish()  # noqa: E731
     meter = memory.ActivationMeter()
     losses, step_times, mem = [], [], {}
     report = report if mesh.rank == 0 else None
@@ -151,22 +156,23 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 yb = dataset.shard(y, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
                 last = mb == par.microbatches - 1
                 t0 = time.perf_counter()
-                with meter, autocast(par.precision, device):
+                with meter, mp.autocast():
                     loss = cross_entropy(model(xb), yb) / par.microbatches
                 t1 = time.perf_counter()
                 with dp.no_sync() if dp and not last else contextlib.nullcontext():
-                    loss.backward()
+                    mp.scale(loss).backward()
                 meter.release()
                 if dp:  # the compute half of the timeline; dp records the communication
                     dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
                 loss_sum += loss.item()
             if dp:
                 dp.finish()
-            optimizer.step()  # before any other collective: ZeRO-3 may still be reducing gradients
+            # the step before any other collective: ZeRO-3 may still be reducing gradients
+            optimizer.step() if par.zero else mp.step(optimizer, reduce)
             if par.dp > 1:
                 loss_sum = _mean_over(loss_sum, mesh.dp_group)
             if step == 0:  # grads still held, optimizer state just allocated
-                mem = _measure(model, optimizer, dp)
+                mem = _measure(model, optimizer, dp, mp)
             optimizer.zero_grad()
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
@@ -188,15 +194,14 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
 
 
-def _measure(model, optimizer, dp) -> dict[str, int]:
+def _measure(model, optimizer, dp, mp) -> dict[str, int]:
     """This rank's persistent memory by category (activations are filled in at the end)."""
     if isinstance(optimizer, Zero3):
         return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors())
     if isinstance(optimizer, ZeroOptimizer):
         return memory.measure(model.parameters(), optimizer.grad_tensors(), optimizer.state_tensors(),
                               comm=memory.tensor_bytes([optimizer.grad_shard]) if optimizer.stage == 1 else 0)
-    return memory.measure(model.parameters(), [p.grad for p in model.parameters() if p.grad is not None],
-                          memory.optimizer_tensors(optimizer), comm=dp.comm_buffer_bytes if dp else 0)
+    return {**mp.measure(optimizer), "activations": 0, "comm": dp.comm_buffer_bytes if dp else 0}
 
 
 def _mean_over(value: float, group) -> float:
