@@ -303,6 +303,6 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar
     zero.step()
     zero.close()
     return {"units": [names[id(u.module)] for u in zero.units],
-            "unit_bytes": [u.shard.numel() * world * u.shard.element_size() for u in zero.units],
+            "unit_bytes": [u.mine.params.numel() * world * u.mine.params.element_size() for u in zero.units],
             "events": events, "waits": waits, "peak": zero.peak_gathered_bytes,
             "phases": [("forward", t0, t1), ("backward", t1, t2), ("step", t2, time.perf_counter())]}

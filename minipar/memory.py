@@ -87,12 +87,13 @@ def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0)
 
 FP32 = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights and grads, two fp32 Adam moments
 MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32 master + 2 moments
+PURE_BF16 = {"params": 2, "grads": 2, "optimizer": 4}  # no master: two bf16 moments
 
 
 def layout_bytes(precision: str) -> dict[str, int]:
     """Bytes per parameter of each model state: FP32 for "fp32", the ZeRO paper's MIXED (2 + 2 + K,
-    K = 12) for "bf16" and "fp16"."""
-    return dict(FP32 if precision == "fp32" else MIXED)
+    K = 12) for "bf16" and "fp16", PURE_BF16 for "pure-bf16"."""
+    return dict({"fp32": FP32, "pure-bf16": PURE_BF16}.get(precision, MIXED))
 
 
 def model_states(psi: float, n_d: int, stage: int, bytes_per_param: dict | None = None) -> dict[str, float]:
@@ -193,8 +194,9 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     sizes = [size for _, size in units(cfg)] if stage == 3 else [psi]
     shards = [_shard(size, n, rank) for size in sizes]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
-    if stage == 0:    # the buckets: a flat copy of the gradients
-        comm = per["grads"] * psi if n > 1 and par.dp_mode == "bucketed" else 0
+    if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its masters' instead)
+        bucketed = n > 1 and par.dp_mode == "bucketed" and par.precision in ("fp32", "pure-bf16")
+        comm = per["grads"] * psi if bucketed else 0
     elif stage == 1:  # the reduce-scatter's output
         comm = per["grads"] * shard
     elif stage == 2:  # that output is the gradient shard itself

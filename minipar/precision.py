@@ -78,13 +78,13 @@ class MixedPrecision:
     """
 
     def __init__(self, model: nn.Module, precision: str = "bf16", *, init_scale: float = 2.0**16,
-                 growth_interval: int = 2000):
+                 growth_interval: int = 2000, masters: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.model, self.precision, self.dtype = model, precision, DTYPES[precision]
         self.params = list(model.parameters())
         self.device_type = self.params[0].device.type
-        mixed = precision in ("bf16", "fp16")
+        mixed = precision in ("bf16", "fp16") and masters  # masters=False: someone else keeps them (ZeRO)
         # fp32 copies made before the cast, so the masters start from the exact fp32 initialisation
         self.master = nn.ParameterList(nn.Parameter(p.detach().to(torch.float32, copy=True))
                                        for p in self.params) if mixed else None

@@ -97,9 +97,9 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def _check_implemented(par: ParallelConfig) -> None:
-    if par.zero and par.precision != "fp32":
-        raise NotImplementedError(f"ZeRO (zero={par.zero}) runs in fp32 so far; precision={par.precision!r} "
-                                  "with ZeRO is not implemented yet")
+    if par.zero and par.precision == "fp16":
+        raise NotImplementedError(f"ZeRO (zero={par.zero}) with fp16 needs its loss scaler's overflow check "
+                                  "across the shards: not implemented yet (bf16 and pure-bf16 work)")
     for name, allowed in IMPLEMENTED.items():
         value = getattr(par, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
@@ -126,21 +126,18 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     mesh = Mesh.build(par.dp, par.tp, par.pp)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
-    mp = MixedPrecision(model, par.precision)  # before anything captures the parameters' dtype
-    reduce = None  # what reduces the gradients, if the optimizer step does not
-    if par.zero == 3:  # ZeRO syncs the gradients itself: in backward (stage 3) or in its step
-        optimizer, dp = Zero3(model, mesh.dp_group, lr, weight_decay, collectives=par.collectives), None
-    elif par.zero:
-        optimizer = ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, collectives=par.collectives)
-        dp = None
-    elif mp.master is None:  # fp32 or pure bf16: the model's own gradients are all-reduced
-        optimizer = make_optimizer(mp.optimized, lr, weight_decay)
-        dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives) \
-            if par.dp > 1 else None
-    else:  # mixed precision: the fp32 master gradients are all-reduced, one per tensor (naive)
-        optimizer = make_optimizer(mp.optimized, lr, weight_decay)
-        dp = None
-        if par.dp > 1:
+    reduce, masters = None, None  # what reduces the gradients inside mp.step (mixed precision, dp > 1)
+    if par.zero:  # ZeRO shards the fp32 weights into 16-bit parameters and fp32 masters itself
+        shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision], master=par.precision == "bf16")
+        optimizer = Zero3(model, mesh.dp_group, lr, weight_decay, **shard) if par.zero == 3 else \
+            ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard)
+        mp, dp = MixedPrecision(model, par.precision, masters=False), None  # autocast only
+    else:
+        mp = MixedPrecision(model, par.precision)  # before DataParallel captures the parameters' dtype
+        optimizer, dp = make_optimizer(mp.optimized, lr, weight_decay), None
+        if par.dp > 1 and mp.master is None:  # fp32 or pure bf16: the model's own gradients
+            dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives)
+        elif par.dp > 1:  # mixed precision: the fp32 master gradients, an all-reduce per tensor (naive)
             masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)
             reduce = lambda grads: masters.finish()  # noqa: E731
     meter = memory.ActivationMeter()
@@ -187,8 +184,9 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
         if return_state:
             optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
         optimizer.close()
-    if dp:
-        dp.close()
+    for sync in (dp, masters):
+        if sync:
+            sync.close()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
     return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
@@ -200,7 +198,7 @@ def _measure(model, optimizer, dp, mp) -> dict[str, int]:
         return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors())
     if isinstance(optimizer, ZeroOptimizer):
         return memory.measure(model.parameters(), optimizer.grad_tensors(), optimizer.state_tensors(),
-                              comm=memory.tensor_bytes([optimizer.grad_shard]) if optimizer.stage == 1 else 0)
+                              comm=memory.tensor_bytes([optimizer.comm_buffer]) if optimizer.stage == 1 else 0)
     return {**mp.measure(optimizer), "activations": 0, "comm": dp.comm_buffer_bytes if dp else 0}
 
 

@@ -21,8 +21,12 @@ into N equal shards; rank r owns shard r:
 
 The optimizer is PyTorch's AdamW, run on per-parameter pieces of the shard (Parameters that alias
 the shard), so each element gets exactly the update the single-process run gives it.
+Mixed precision (bf16): parameters and gradients live and travel in 16 bits; each rank keeps an fp32
+master copy of its shard only, which AdamW updates and which is rounded back into the 16-bit shard
+before the all-gather. That is the ZeRO paper's accounting: 2 + 2 + K bytes a parameter, K = 12.
 
-Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter), N ranks:
+Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter), N ranks (in bf16:
+2P params, 2P grads, 12P optimizer, sharded the same way, and half the traffic):
   memory    stage 0 (DP)  4P params + 4P grads + 8P optimizer
             stage 1       4P params + 4P grads + 8P/N optimizer
             stage 2       4P params + 4P/N grads + 8P/N optimizer
@@ -56,10 +60,10 @@ class _Flat:
         self.shard_size = -(-offset // n)  # ceil
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
-    def flatten(self, tensors) -> torch.Tensor:
+    def flatten(self, tensors, dtype=None) -> torch.Tensor:
         """One padded flat tensor from per-parameter tensors (None counts as zeros)."""
         p0 = self.params[0]
-        flat = torch.zeros(self.shard_size * self.n, dtype=p0.dtype, device=p0.device)
+        flat = torch.zeros(self.shard_size * self.n, dtype=dtype or p0.dtype, device=p0.device)
         for t, (start, end) in zip(tensors, self.ranges):
             if t is not None:
                 flat[start:end].copy_(t.detach().reshape(-1))
@@ -70,20 +74,51 @@ class _Flat:
         for p, shape, (start, end) in zip(self.params, self.shapes, self.ranges):
             p.data = flat[start:end].view(shape)
 
-    def adamw(self, shard: torch.Tensor, grad_shard: torch.Tensor, lr, weight_decay, betas):
-        """PyTorch's AdamW over the pieces of the parameters that fall in my shard.
+    def adamw(self, shard: torch.Tensor, lr, weight_decay, betas):
+        """PyTorch's AdamW over the pieces of the parameters that fall in my shard, and the pieces.
 
-        Each piece is a Parameter aliasing `shard`, its grad a view of `grad_shard`. Weight decay
-        goes to the pieces of matrices only, as in the single-process optimizer."""
-        decay, no_decay = [], []
+        Each piece is a Parameter aliasing `shard` (the fp32 master shard in mixed precision), with
+        its (start, end) in the shard. Weight decay goes to the pieces of matrices only, as in the
+        single-process optimizer."""
+        decay, no_decay, pieces = [], [], []
         for shape, (start, end) in zip(self.shapes, self.ranges):
             a, b = max(start, self.lo), min(end, self.hi)
             if a < b:
                 piece = torch.nn.Parameter(shard[a - self.lo: b - self.lo])
-                piece.grad = grad_shard[a - self.lo: b - self.lo]
+                pieces.append((piece, a - self.lo, b - self.lo))
                 (decay if len(shape) >= 2 else no_decay).append(piece)
-        return torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
-                                  dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=betas)
+        optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
+                                       dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=betas)
+        return optimizer, pieces
+
+
+class _Shard:
+    """What a rank keeps of one flat buffer: its shard of the parameters (in the compute dtype), of
+    the gradients (same dtype: reduce-scattered in 16 bits under mixed precision, as in the ZeRO
+    paper), the fp32 master copy of its parameter shard (mixed precision only) and AdamW on it."""
+
+    def __init__(self, layout: _Flat, params: torch.Tensor, master: torch.Tensor | None, lr, weight_decay, betas):
+        self.params, self.master = params, master
+        self.grads = torch.zeros_like(self.params)
+        updated = self.params if master is None else master
+        self.optimizer, self.pieces = layout.adamw(updated, lr, weight_decay, betas)
+
+    def update(self) -> None:
+        """AdamW on the shard (with fp32 gradients when there are masters), then round into params."""
+        grads = self.grads.float() if self.master is not None else self.grads  # transient fp32 copy
+        for piece, a, b in self.pieces:
+            piece.grad = grads[a:b]
+        self.optimizer.step()
+        for piece, _, _ in self.pieces:
+            piece.grad = None
+        if self.master is not None:
+            self.params.copy_(self.master)
+
+    def state_tensors(self):
+        if self.master is not None:
+            yield self.master
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -123,18 +158,20 @@ class ZeroOptimizer:
     """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after backward (it syncs gradients too)."""
 
     def __init__(self, model: torch.nn.Module, group=None, stage: int = 1, lr: float = 1e-3,
-                 weight_decay: float = 0.0, betas=(0.9, 0.95), collectives: str = "minipar"):
+                 weight_decay: float = 0.0, betas=(0.9, 0.95), collectives: str = "minipar",
+                 dtype=torch.float32, master: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, got {stage!r}")
         self.group, self.stage, self.collectives = group, stage, collectives
         self.size, rank = _group_size_rank(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layout = _Flat(self.params, self.size, rank)
-        self.flat = self.layout.flatten(self.params)
+        fp32 = self.layout.flatten(self.params)  # the fp32 initialisation, before any cast
+        lo, hi = self.layout.lo, self.layout.hi
+        self.flat = fp32.to(dtype)
         self.layout.point_params_at(self.flat)
-        self.shard = self.flat[self.layout.lo: self.layout.hi]
-        self.grad_shard = torch.zeros_like(self.shard)
-        self.optimizer = self.layout.adamw(self.shard, self.grad_shard, lr, weight_decay, betas)
+        self.mine = _Shard(self.layout, self.flat[lo:hi], fp32[lo:hi].clone() if master else None,
+                           lr, weight_decay, betas)
 
     def step(self) -> None:
         """Average the gradients into my shard, update my shard, all-gather the parameters."""
@@ -142,40 +179,43 @@ class ZeroOptimizer:
         if self.stage == 2:  # keep only the shard: the full gradient goes as soon as it is reduced
             for p in self.params:
                 p.grad = None
-        self.grad_shard.copy_(_reduce_scatter(grads, self.group, self.collectives)).div_(self.size)
+        self.mine.grads.copy_(_reduce_scatter(grads, self.group, self.collectives)).div_(self.size)
         del grads
-        self.optimizer.step()
-        self.flat.copy_(_all_gather(self.shard, self.group, self.collectives))
+        self.mine.update()
+        self.flat.copy_(_all_gather(self.mine.params, self.group, self.collectives))
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
-        self.grad_shard.zero_()
+        self.mine.grads.zero_()
 
     def state_tensors(self):
-        """The optimizer state this rank holds (moments and step counters of its shard)."""
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        """The optimizer state this rank holds: master shard, moments and step counters of its shard."""
+        return self.mine.state_tensors()
 
     def grad_tensors(self):
         """The gradients this rank keeps: all of them in stage 1, its shard in stage 2.
 
-        (In stage 1 the reduced shard, `grad_shard`, is the reduce-scatter's output: a comm buffer.)"""
+        (In stage 1 the reduced shard is the reduce-scatter's output: a comm buffer.)"""
         if self.stage == 1:
-            yield from (p.grad for p in self.params if p.grad is not None)
-        else:
-            yield self.grad_shard
+            return [p.grad for p in self.params if p.grad is not None]
+        return [self.mine.grads]
+
+    @property
+    def comm_buffer(self) -> torch.Tensor:
+        return self.mine.grads
 
 
 class _Unit:
     """One module's parameters, sharded (stage 3): the shard is all this rank keeps between uses."""
 
-    def __init__(self, module: torch.nn.Module, n: int, rank: int):
+    def __init__(self, module: torch.nn.Module, n: int, rank: int, dtype, master: bool, lr, weight_decay, betas):
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.layout = _Flat(self.params, n, rank)
-        self.shard = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi].clone()
-        self.grad_shard = torch.zeros_like(self.shard)
+        fp32 = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi]
+        self.mine = _Shard(self.layout, fp32.to(dtype, copy=True), fp32.clone() if master else None,
+                           lr, weight_decay, betas)
         self.gathering = None   # the future of an all-gather in flight
         self.gathered = False
         self.grads_in = 0       # parameters whose gradient has arrived in this backward
@@ -184,7 +224,7 @@ class _Unit:
 
     def free(self) -> None:
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+            p.data = torch.empty(0, dtype=self.mine.params.dtype, device=self.mine.params.device)
         self.gathered = False
 
 
@@ -192,14 +232,14 @@ class Zero3:
     """ZeRO stage 3 over `group`: shards `model` in place; call `step()` after backward."""
 
     def __init__(self, model: torch.nn.Module, group=None, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas=(0.9, 0.95), collectives: str = "minipar"):
+                 betas=(0.9, 0.95), collectives: str = "minipar", dtype=torch.float32, master: bool = False):
         self.group, self.collectives = group, collectives
         self.size, rank = _group_size_rank(group)
         # units in forward order: the model's children, a ModuleList counting as its members
         modules = [m for child in model.children()
                    for m in (child if isinstance(child, torch.nn.ModuleList) else [child])]
-        self.units = [_Unit(m, self.size, rank) for m in modules if any(p.requires_grad for p in m.parameters())]
-        self.optimizers = [u.layout.adamw(u.shard, u.grad_shard, lr, weight_decay, betas) for u in self.units]
+        self.units = [_Unit(m, self.size, rank, dtype, master, lr, weight_decay, betas)
+                      for m in modules if any(p.requires_grad for p in m.parameters())]
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
         for i, unit in enumerate(self.units):
@@ -213,8 +253,8 @@ class Zero3:
     def _start_gather(self, i: int) -> None:
         unit = self.units[i]
         if not unit.gathered and unit.gathering is None:
-            unit.gathering = self._comm.submit(_all_gather, unit.shard, self.group, self.collectives)
-            self.gathered_bytes += unit.shard.numel() * self.size * unit.shard.element_size()  # its buffer
+            unit.gathering = self._comm.submit(_all_gather, unit.mine.params, self.group, self.collectives)
+            self.gathered_bytes += unit.mine.params.numel() * self.size * unit.mine.params.element_size()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _gather(self, i: int) -> None:
@@ -230,7 +270,7 @@ class Zero3:
     def _free(self, i: int) -> None:
         unit = self.units[i]
         if unit.gathered:
-            self.gathered_bytes -= unit.shard.numel() * self.size * unit.shard.element_size()
+            self.gathered_bytes -= unit.mine.params.numel() * self.size * unit.mine.params.element_size()
             unit.free()
 
     def _before_forward(self, i: int) -> None:
@@ -266,16 +306,16 @@ class Zero3:
     # ------------------------------------------------------------------------- optimizer interface
 
     def step(self) -> None:
-        for unit, optimizer in zip(self.units, self.optimizers):
+        for unit in self.units:
             for reduced in unit.reducing:  # one per micro-batch
-                unit.grad_shard.add_(reduced.result())
+                unit.mine.grads.add_(reduced.result())
             unit.reducing.clear()
-            unit.grad_shard.div_(self.size)
-            optimizer.step()
+            unit.mine.grads.div_(self.size)
+            unit.mine.update()
 
     def zero_grad(self) -> None:
         for unit in self.units:
-            unit.grad_shard.zero_()
+            unit.mine.grads.zero_()
 
     def gather_all(self) -> None:
         """Gather every unit (collective), e.g. to read the full weights; the next forward frees them."""
@@ -283,15 +323,14 @@ class Zero3:
             self._gather(i)
 
     def state_tensors(self):
-        for optimizer in self.optimizers:
-            for state in optimizer.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        for unit in self.units:
+            yield from unit.mine.state_tensors()
 
     def grad_tensors(self):
-        return [u.grad_shard for u in self.units]
+        return [u.mine.grads for u in self.units]
 
     def param_tensors(self):
-        return [u.shard for u in self.units]
+        return [u.mine.params for u in self.units]
 
     def close(self) -> None:
         self._comm.shutdown()
