@@ -207,7 +207,12 @@ class ZeroOptimizer:
 
 
 class _Unit:
-    """One module's parameters, sharded (stage 3): the shard is all this rank keeps between uses."""
+    """One module's parameters, sharded (stage 3): the shard is all this rank keeps between uses.
+
+    The parameters stay views of one full buffer; freeing it releases the buffer's *storage*
+    (resize to 0 bytes) and gathering refills it. Pointing the parameters at empty tensors instead
+    would free nothing: autograd has saved views of the weights (W.t() of each Linear) for backward,
+    and those would keep the gathered buffer alive. This is how PyTorch's FSDP frees, too."""
 
     def __init__(self, module: torch.nn.Module, n: int, rank: int, dtype, master: bool, lr, weight_decay, betas):
         self.module = module
@@ -216,16 +221,23 @@ class _Unit:
         fp32 = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi]
         self.mine = _Shard(self.layout, fp32.to(dtype, copy=True), fp32.clone() if master else None,
                            lr, weight_decay, betas)
+        self.full = torch.empty(self.mine.params.numel() * n, dtype=dtype, device=self.mine.params.device)
+        self.layout.point_params_at(self.full)
         self.gathering = None   # the future of an all-gather in flight
-        self.gathered = False
+        self.gathered = True
         self.grads_in = 0       # parameters whose gradient has arrived in this backward
         self.reducing = []      # reduce-scatters of this unit's gradients in flight
         self.free()
 
     def free(self) -> None:
-        for p in self.params:
-            p.data = torch.empty(0, dtype=self.mine.params.dtype, device=self.mine.params.device)
+        self.full.untyped_storage().resize_(0)
         self.gathered = False
+
+    def gather(self, group, collectives: str) -> None:
+        """Refill the full buffer with every rank's shard (runs on the communication thread)."""
+        gathered = _all_gather(self.mine.params, group, collectives)
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.full.copy_(gathered)
 
 
 class Zero3:
@@ -253,19 +265,18 @@ class Zero3:
     def _start_gather(self, i: int) -> None:
         unit = self.units[i]
         if not unit.gathered and unit.gathering is None:
-            unit.gathering = self._comm.submit(_all_gather, unit.mine.params, self.group, self.collectives)
+            unit.gathering = self._comm.submit(unit.gather, self.group, self.collectives)
             self.gathered_bytes += unit.mine.params.numel() * self.size * unit.mine.params.element_size()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _gather(self, i: int) -> None:
-        """Wait for unit i's parameters (start the all-gather if no prefetch did) and point at them."""
+        """Wait for unit i's parameters (start the all-gather if no prefetch did)."""
         unit = self.units[i]
         if unit.gathered:
             return
         self._start_gather(i)
-        full, unit.gathering = unit.gathering.result(), None
-        unit.layout.point_params_at(full)
-        unit.gathered = True
+        unit.gathering.result()
+        unit.gathering, unit.gathered = None, True
 
     def _free(self, i: int) -> None:
         unit = self.units[i]
@@ -307,15 +318,16 @@ class Zero3:
 
     def step(self) -> None:
         for unit in self.units:
-            for reduced in unit.reducing:  # one per micro-batch
-                unit.mine.grads.add_(reduced.result())
+            reduced = [r.result() for r in unit.reducing]  # one per micro-batch
             unit.reducing.clear()
+            unit.mine.grads = sum(reduced[1:], reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
             unit.mine.grads.div_(self.size)
             unit.mine.update()
 
     def zero_grad(self) -> None:
+        """Drop the gradient shards: between steps a rank keeps no gradients at all."""
         for unit in self.units:
-            unit.mine.grads.zero_()
+            unit.mine.grads = torch.zeros(0, dtype=unit.mine.params.dtype, device=unit.mine.params.device)
 
     def gather_all(self) -> None:
         """Gather every unit (collective), e.g. to read the full weights; the next forward frees them."""
