@@ -59,8 +59,11 @@ def run_train(args) -> None:
     if not leader:
         return
     print(res.summary())
-    for rank, mem in enumerate(res.peak_memory):
-        print(f"  rank {rank} memory: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+    predicted = res.predicted_memory or [{}] * len(res.peak_memory)
+    print("memory per rank, MiB, measured (predicted by memory.predict):")
+    for rank, (mem, pred) in enumerate(zip(res.peak_memory, predicted)):
+        print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})" if k in pred else "")
+                                            for k, v in mem.items()))
     if args.plot:
         from minipar.viz import loss_curve
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)

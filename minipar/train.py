@@ -41,7 +41,9 @@ class TrainResult:
     step_times: list[float]             # seconds per step (rank 0)
     tokens_per_s: float                 # global tokens per second, median step
     mfu: float                          # model FLOP/s over the peak of the devices used, median step
-    peak_memory: list[dict]             # by rank: {category: bytes}
+    peak_memory: list[dict]             # by rank: {category: bytes}, measured (on CUDA also
+                                        #   "cuda_max_allocated", the allocator's peak, to compare)
+    predicted_memory: list[dict]        # by rank: {category: bytes}, memory.predict's analytic model
     comm_bytes: list[dict]              # by rank: {collective or p2p kind: bytes sent}
     comm_calls: list[dict]              # by rank: {collective kind: calls made}
     timelines: list[list] = field(default_factory=list, repr=False)  # by rank: (what, start, end) in
@@ -51,7 +53,8 @@ class TrainResult:
     def summary(self) -> str:
         return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} in {len(self.losses)} steps | "
                 f"{self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak memory "
-                f"{max(sum(m.values()) for m in self.peak_memory) / 2**20:.1f} MiB on the fullest rank")
+                f"{max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory) / 2**20:.1f} MiB "
+                "on the fullest rank")
 
 
 def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10, global_batch: int = 8,
@@ -93,7 +96,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
         mfu=cfg.flops_per_token * global_batch * cfg.seq_len / step / peak,
         peak_memory=[r["memory"] for r in ranks], comm_bytes=[r["comm"] for r in ranks],
         comm_calls=[r["calls"] for r in ranks], timelines=[r["timeline"] for r in ranks],
-        state_dict=ranks[0]["state"])
+        state_dict=ranks[0]["state"], predicted_memory=_predicted(cfg, par, global_batch))
 
 
 def _check_implemented(par: ParallelConfig) -> None:
@@ -178,6 +181,8 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             if report:
                 report(loss_sum, global_batch * cfg.seq_len / step_times[-1])
     mem["activations"] = meter.peak
+    if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
+        mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
     timeline = dp.timeline if dp else []
     if par.zero == 3:
         mem["comm"] = optimizer.peak_gathered_bytes
@@ -190,6 +195,14 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
     return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
+
+
+def _predicted(cfg, par, global_batch) -> list[dict] | None:
+    """memory.predict for every rank, where the model covers the layout (dp x ZeRO so far)."""
+    try:
+        return [memory.predict(cfg, par, global_batch, rank=rank) for rank in range(par.world)]
+    except NotImplementedError:
+        return None
 
 
 def _measure(model, optimizer, dp, mp) -> dict[str, int]:

@@ -77,7 +77,7 @@ def test_dp_through_train_and_the_cli(tmp_path, capsys):
           "--sample", "10"])
     assert (tmp_path / "l.png").exists()
     out, err = capsys.readouterr()
-    assert "layout: dp=2" in out and "rank 1 memory" in out
+    assert "layout: dp=2" in out and "  rank 1: params 0.83 (0.83)" in out  # measured (predicted)
     assert "train: 100%" in err and "minipar-progress" not in out + err  # the bar is drawn by the caller
 
 
