@@ -28,6 +28,8 @@ def train_parser(sub) -> argparse.ArgumentParser:
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--precision", default="fp32", choices=PRECISIONS)
     par.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    par.add_argument("--reduce-16bit", action="store_true",
+                     help="bf16/fp16 under DP: all-reduce the 16-bit gradients instead of the fp32 masters")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--global-batch", type=int, default=16)
@@ -49,7 +51,7 @@ def run_train(args) -> None:
     par = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, microbatches=args.microbatches,
                          schedule=args.schedule, virtual_stages=args.virtual_stages,
                          sequence_parallel=args.sequence_parallel, precision=args.precision,
-                         recompute=args.recompute)
+                         recompute=args.recompute, reduce_fp32=not args.reduce_16bit)
     leader = int(os.environ.get("RANK", 0)) == 0
     if leader:
         print(f"model {args.model}: {cfg.num_params:,} parameters | layout: {par.label}")

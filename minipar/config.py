@@ -43,6 +43,8 @@ class ParallelConfig:
                                      #   "bucketed" (overlapped with backward)
     bucket_mb: float = 25.0          # bucket size in MiB for "bucketed" (DDP's default is 25)
     collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring) or "torch" (the backend's)
+    reduce_fp32: bool = True         # 16-bit precisions under DP: all-reduce the fp32 master gradients (True)
+                                     #   or the 16-bit ones, in buckets (half the bytes, 16-bit sums)
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -58,6 +60,11 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.bucket_mb must be a positive number, got {self.bucket_mb!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"ParallelConfig.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if not isinstance(self.reduce_fp32, bool):
+            raise ValueError(f"ParallelConfig.reduce_fp32 must be True or False, got {self.reduce_fp32!r}")
+        if not self.reduce_fp32 and self.precision not in ("bf16", "fp16"):
+            raise ValueError(f"ParallelConfig.reduce_fp32=False needs precision 'bf16' or 'fp16' (fp32 masters "
+                             f"to reduce instead of), got {self.precision!r}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b', "
                              f"got {self.schedule!r}")

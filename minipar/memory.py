@@ -195,7 +195,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     shards = [_shard(size, n, rank) for size in sizes]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
     if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its masters' instead)
-        bucketed = n > 1 and par.dp_mode == "bucketed" and par.precision in ("fp32", "pure-bf16")
+        own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32  # else the masters'
+        bucketed = n > 1 and par.dp_mode == "bucketed" and own_grads
         comm = per["grads"] * psi if bucketed else 0
     elif stage == 1:  # the reduce-scatter's output
         comm = per["grads"] * shard

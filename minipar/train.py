@@ -138,7 +138,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     else:
         mp = MixedPrecision(model, par.precision)  # before DataParallel captures the parameters' dtype
         optimizer, dp = make_optimizer(mp.optimized, lr, weight_decay), None
-        if par.dp > 1 and mp.master is None:  # fp32 or pure bf16: the model's own gradients
+        if par.dp > 1 and (mp.master is None or not par.reduce_fp32):  # the model's own gradients
             dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives)
         elif par.dp > 1:  # mixed precision: the fp32 master gradients, an all-reduce per tensor (naive)
             masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)

@@ -70,3 +70,19 @@ def test_zero_in_16_bits_matches_the_single_process_run(dp, references):
 def test_zero_with_fp16_is_refused_for_now():
     with pytest.raises(NotImplementedError, match="ZeRO"):
         minipar.train(TINY, ParallelConfig(dp=2, zero=1, precision="fp16"), global_batch=4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reducing_16_bit_gradients_halves_the_bytes(precision, references):
+    """The trade-off of reduce_fp32=False: the 16-bit gradients travel (half the bytes, in buckets that
+    overlap backward) and are summed with 16-bit rounding, where the default sums fp32 masters."""
+    cases = [ParallelConfig(dp=3, precision=precision, reduce_fp32=r) for r in (True, False)]
+    ranks = minipar.launch(workers_dp.train_variants, 3, TINY, cases, STEPS, BATCH, timeout=120)
+    fp32_sum, half_sum = ranks[0]
+    assert half_sum["comm"]["all_reduce"] * 2 == pytest.approx(fp32_sum["comm"]["all_reduce"], rel=1e-4)
+    ref = references[precision]
+    for got in (fp32_sum, half_sum):
+        assert max(abs(a - b) / b for a, b in zip(got["losses"], ref.losses)) < 1e-4
+        assert rel_diff(flat(got["state"]), flat(ref.state_dict)) < 2e-3
+    with pytest.raises(ValueError, match="reduce_fp32=False needs precision"):
+        ParallelConfig(reduce_fp32=False)
