@@ -100,9 +100,6 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def _check_implemented(par: ParallelConfig) -> None:
-    if par.zero and par.precision == "fp16":
-        raise NotImplementedError(f"ZeRO (zero={par.zero}) with fp16 needs its loss scaler's overflow check "
-                                  "across the shards: not implemented yet (bf16 and pure-bf16 work)")
     for name, allowed in IMPLEMENTED.items():
         value = getattr(par, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
@@ -131,10 +128,12 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     model = GPT(cfg).to(device)
     reduce, masters = None, None  # what reduces the gradients inside mp.step (mixed precision, dp > 1)
     if par.zero:  # ZeRO shards the fp32 weights into 16-bit parameters and fp32 masters itself
-        shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision], master=par.precision == "bf16")
+        mixed = par.precision in ("bf16", "fp16")
+        shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision], master=mixed)
         optimizer = Zero3(model, mesh.dp_group, lr, weight_decay, **shard) if par.zero == 3 else \
             ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard)
-        mp, dp = MixedPrecision(model, par.precision, masters=False), None  # autocast only
+        mp, dp = MixedPrecision(model, par.precision, masters=False), None  # autocast and loss scale only
+        optimizer.scaler = mp.scaler
     else:
         mp = MixedPrecision(model, par.precision)  # before DataParallel captures the parameters' dtype
         optimizer, dp = make_optimizer(mp.optimized, lr, weight_decay), None

@@ -21,9 +21,11 @@ into N equal shards; rank r owns shard r:
 
 The optimizer is PyTorch's AdamW, run on per-parameter pieces of the shard (Parameters that alias
 the shard), so each element gets exactly the update the single-process run gives it.
-Mixed precision (bf16): parameters and gradients live and travel in 16 bits; each rank keeps an fp32
-master copy of its shard only, which AdamW updates and which is rounded back into the 16-bit shard
-before the all-gather. That is the ZeRO paper's accounting: 2 + 2 + K bytes a parameter, K = 12.
+Mixed precision (bf16, fp16): parameters and gradients live and travel in 16 bits; each rank keeps an
+fp32 master copy of its shard only, which AdamW updates and which is rounded back into the 16-bit
+shard before the all-gather. That is the ZeRO paper's accounting: 2 + 2 + K bytes a parameter,
+K = 12. In fp16 the gradients are unscaled in fp32, and since each rank sees only its shard, an
+overflow flag is all-reduced (one float) so that all ranks skip the step together.
 
 Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter), N ranks (in bf16:
 2P params, 2P grads, 12P optimizer, sharded the same way, and half the traffic):
@@ -103,9 +105,11 @@ class _Shard:
         updated = self.params if master is None else master
         self.optimizer, self.pieces = layout.adamw(updated, lr, weight_decay, betas)
 
-    def update(self) -> None:
+    def update(self, loss_scale: float = 1.0) -> None:
         """AdamW on the shard (with fp32 gradients when there are masters), then round into params."""
         grads = self.grads.float() if self.master is not None else self.grads  # transient fp32 copy
+        if loss_scale != 1.0:
+            grads = grads / loss_scale
         for piece, a, b in self.pieces:
             piece.grad = grads[a:b]
         self.optimizer.step()
@@ -119,6 +123,19 @@ class _Shard:
             yield self.master
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _overflowed(shards: list, scaler, group) -> bool:
+    """fp16: whether any rank's gradient shard holds an inf or nan (then every rank skips the step),
+    and the loss scaler told. Without a scaler (fp32, bf16) never."""
+    if scaler is None:
+        return False
+    flag = torch.tensor([float(any(not torch.isfinite(s.grads).all() for s in shards))])
+    if _group_size_rank(group)[0] > 1:  # one float: the ranks must agree, each sees only its shard
+        comm.record("overflow_flag", 4, 1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    scaler.update(bool(flag.item()))
+    return bool(flag.item())
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -172,6 +189,7 @@ class ZeroOptimizer:
         self.layout.point_params_at(self.flat)
         self.mine = _Shard(self.layout, self.flat[lo:hi], fp32[lo:hi].clone() if master else None,
                            lr, weight_decay, betas)
+        self.scaler = None  # fp16: the caller's LossScaler, whose scale multiplied the loss
 
     def step(self) -> None:
         """Average the gradients into my shard, update my shard, all-gather the parameters."""
@@ -181,7 +199,10 @@ class ZeroOptimizer:
                 p.grad = None
         self.mine.grads.copy_(_reduce_scatter(grads, self.group, self.collectives)).div_(self.size)
         del grads
-        self.mine.update()
+        scale = self.scaler.scale if self.scaler else 1.0  # read before an overflow backs it off
+        if _overflowed([self.mine], self.scaler, self.group):
+            return  # fp16 overflow: nothing changed, nothing to gather
+        self.mine.update(scale)
         self.flat.copy_(_all_gather(self.mine.params, self.group, self.collectives))
 
     def zero_grad(self) -> None:
@@ -253,6 +274,7 @@ class Zero3:
         self.units = [_Unit(m, self.size, rank, dtype, master, lr, weight_decay, betas)
                       for m in modules if any(p.requires_grad for p in m.parameters())]
         self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.scaler = None  # fp16: the caller's LossScaler, whose scale multiplied the loss
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
@@ -322,7 +344,11 @@ class Zero3:
             unit.reducing.clear()
             unit.mine.grads = sum(reduced[1:], reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
             unit.mine.grads.div_(self.size)
-            unit.mine.update()
+        scale = self.scaler.scale if self.scaler else 1.0
+        if _overflowed([u.mine for u in self.units], self.scaler, self.group):
+            return
+        for unit in self.units:
+            unit.mine.update(scale)
 
     def zero_grad(self) -> None:
         """Drop the gradient shards: between steps a rank keeps no gradients at all."""
