@@ -130,6 +130,11 @@ def _posts_ahead(group) -> bool:
 _scratch = threading.local()  # this thread's reusable receive space, by (dtype, device)
 
 
+def release_scratch() -> None:
+    """Free this thread's receive space (ZeRO-3 does, once a step, to hold no more than it must)."""
+    _scratch.__dict__.pop("buffers", None)
+
+
 def _scratch_space(numel: int, like: torch.Tensor) -> torch.Tensor:
     """`numel` elements of reusable receive space (kept per thread, grown when needed, never freed).
 

@@ -344,6 +344,7 @@ class Zero3:
             unit.reducing.clear()
             unit.mine.grads = sum(reduced[1:], reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
             unit.mine.grads.div_(self.size)
+        self._comm.submit(comm.release_scratch).result()  # the ring's receive space, until next backward
         scale = self.scaler.scale if self.scaler else 1.0
         if _overflowed([u.mine for u in self.units], self.scaler, self.group):
             return
