@@ -139,7 +139,7 @@ def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
     """This rank's bytes in one steady step: {"peak", "after_forward", "between", "gathered"} (docstring)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    comm._scratch.__dict__.clear()  # minipar's ring keeps receive space per thread: let it be made anew
+    comm.release_scratch()  # minipar's ring keeps receive space per thread: let it be made anew
     gc.collect()
     tracker = MemTracker()
     total = lambda kind: sum(snap["Total"] for snap in tracker.get_tracker_snapshot(kind).values())

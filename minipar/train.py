@@ -184,7 +184,6 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
         mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
     timeline = dp.timeline if dp else []
     if par.zero == 3:
-        mem["comm"] = optimizer.peak_gathered_bytes
         if return_state:
             optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
         optimizer.close()
@@ -206,11 +205,9 @@ def _predicted(cfg, par, global_batch) -> list[dict] | None:
 
 def _measure(model, optimizer, dp, mp) -> dict[str, int]:
     """This rank's persistent memory by category (activations are filled in at the end)."""
-    if isinstance(optimizer, Zero3):
-        return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors())
-    if isinstance(optimizer, ZeroOptimizer):
-        return memory.measure(model.parameters(), optimizer.grad_tensors(), optimizer.state_tensors(),
-                              comm=memory.tensor_bytes([optimizer.comm_buffer]) if optimizer.stage == 1 else 0)
+    if isinstance(optimizer, (ZeroOptimizer, Zero3)):
+        return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors(),
+                              comm=optimizer.comm_bytes)
     return {**mp.measure(optimizer), "activations": 0, "comm": dp.comm_buffer_bytes if dp else 0}
 
 

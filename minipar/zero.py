@@ -222,9 +222,13 @@ class ZeroOptimizer:
             return [p.grad for p in self.params if p.grad is not None]
         return [self.mine.grads]
 
+    def param_tensors(self):
+        return self.params  # views of the flat buffer: it is counted once, padding included
+
     @property
-    def comm_buffer(self) -> torch.Tensor:
-        return self.mine.grads
+    def comm_bytes(self) -> int:
+        """Stage 1: the reduce-scatter's output shard (stage 2 counts it as the gradients)."""
+        return self.mine.grads.numel() * self.mine.grads.element_size() if self.stage == 1 else 0
 
 
 class _Unit:
@@ -370,6 +374,11 @@ class Zero3:
 
     def param_tensors(self):
         return [u.mine.params for u in self.units]
+
+    @property
+    def comm_bytes(self) -> int:
+        """The gathered parameters at their peak: a unit and the next one, prefetched."""
+        return self.peak_gathered_bytes
 
     def close(self) -> None:
         self._comm.shutdown()
