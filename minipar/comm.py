@@ -254,3 +254,51 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8) -> to
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view_as(tensor))
     return tensor
+
+
+# ----------------------------------------------------------------------------- the backend's, side by side
+
+
+def _nominal(kind: str, n: int, nbytes: int) -> None:
+    """Count a backend collective as the ring would send it (gloo's and NCCL's algorithms may differ)."""
+    record(f"torch_{kind}", (2 if kind == "all_reduce" else 1) * (n - 1) * nbytes // n, 1)
+
+
+def torch_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """torch.distributed's all-reduce, in place, counted like ours."""
+    n = dist.get_world_size(group)
+    _nominal("all_reduce", n, tensor.numel() * tensor.element_size())
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def torch_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """torch.distributed's reduce-scatter along dim 0 (its length must divide by the group size)."""
+    n = dist.get_world_size(group)
+    out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _nominal("reduce_scatter", n, tensor.numel() * tensor.element_size())
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+    reduce_scatter(out, tensor.contiguous(), group=group)
+    return out
+
+
+def torch_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """torch.distributed's all-gather along dim 0 (every rank's tensor of the same shape)."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _nominal("all_gather", n, out.numel() * out.element_size())
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """One implementation's all-reduce, reduce-scatter and all-gather, chosen by name."""
+    all_reduce: object
+    reduce_scatter: object
+    all_gather: object
+
+
+IMPLEMENTATIONS = {"minipar": Collectives(all_reduce, reduce_scatter, all_gather),
+                   "torch": Collectives(torch_all_reduce, torch_reduce_scatter, torch_all_gather)}

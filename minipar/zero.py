@@ -146,29 +146,13 @@ def _group_size_rank(group) -> tuple[int, int]:
 def _reduce_scatter(tensor: torch.Tensor, group, collectives: str) -> torch.Tensor:
     """My shard of the sum of `tensor` over the group (its length divides by the group size)."""
     n, _ = _group_size_rank(group)
-    if n == 1:
-        return tensor
-    if collectives == "minipar":
-        return comm.reduce_scatter(tensor, group)
-    out = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)
-    comm.record("torch_reduce_scatter", (n - 1) * out.numel() * out.element_size(), 1)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
-    reduce_scatter(out, tensor, group=group)
-    return out
+    return tensor if n == 1 else comm.IMPLEMENTATIONS[collectives].reduce_scatter(tensor, group)
 
 
 def _all_gather(shard: torch.Tensor, group, collectives: str) -> torch.Tensor:
     """Every rank's shard, concatenated in rank order."""
     n, _ = _group_size_rank(group)
-    if n == 1:
-        return shard
-    if collectives == "minipar":
-        return comm.all_gather(shard, group)
-    out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
-    comm.record("torch_all_gather", (n - 1) * shard.numel() * shard.element_size(), 1)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-    all_gather(out, shard.contiguous(), group=group)
-    return out
+    return shard if n == 1 else comm.IMPLEMENTATIONS[collectives].all_gather(shard, group)
 
 
 class ZeroOptimizer:
