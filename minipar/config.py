@@ -60,6 +60,9 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.bucket_mb must be a positive number, got {self.bucket_mb!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"ParallelConfig.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1: it cuts what tensor "
+                             "parallelism replicates")
         if not isinstance(self.reduce_fp32, bool):
             raise ValueError(f"ParallelConfig.reduce_fp32 must be True or False, got {self.reduce_fp32!r}")
         if not self.reduce_fp32 and self.precision not in ("bf16", "fp16"):

@@ -132,44 +132,68 @@ def _shard(total: int, n: int, rank: int) -> tuple[int, int]:
     return shard, max(0, min(total, (rank + 1) * shard) - rank * shard)
 
 
-def korthikanti(cfg, micro_batch: int, element_bytes: int = 2) -> float:
-    """The paper's activations for the l layers, bytes: l * sbh(34 + 5as/h) in 16-bit (Table 2, no
-    parallelism, no recomputation). Of the 34 sbh, 2 sbh are dropout masks (1 byte an element) and 32
-    are 16-bit values; of the 5as^2b, as^2b is the attention's dropout mask and 4 are 16-bit (the
-    softmax output and the dropout output). `element_bytes` rescales the values, not the masks."""
+def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1, sp: bool = False) -> float:
+    """The paper's activations for the l layers, bytes (Table 2, no recomputation), 16-bit:
+
+        no parallelism  sbh (34 + 5as/h)     TP  sbh (10 + 24/t + 5as/(ht))     TP+SP  sbh (34/t + 5as/(ht))
+
+    Of the 34 sbh, 10 lie outside the tensor-parallel regions (replicated by TP, cut by SP): 8 of
+    16-bit values (LayerNorm inputs, the regions' inputs) and 2 dropout masks of 1 byte an element;
+    24 are inside (q, k, v, the attention output, the MLP's 4h activations). Of the 5as^2b, as^2b is
+    the attention's dropout mask and 4 are 16-bit (softmax and dropout outputs). `element_bytes`
+    rescales the values, not the masks."""
     s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head
     e = element_bytes / 2
-    return cfg.n_layer * (s * b * h * (32 * e + 2) + a * s * s * b * (4 * e + 1))
+    outside = (8 * e + 2) / (t if sp else 1)
+    return cfg.n_layer * (s * b * h * (outside + 24 * e / t) + a * s * s * b * (4 * e + 1) / t)
 
 
-def activations(cfg, micro_batch: int, element_bytes: int = 4) -> dict[str, int]:
-    """Bytes minipar's GPT saves for backward on one micro-batch of b sequences, by part.
+def tp_params(cfg, t: int = 1) -> int:
+    """Parameters each of t tensor-parallel ranks holds (tensor_parallel.py cuts the matrices, the
+    embeddings and the head; LayerNorms, row-parallel biases and positions stay whole):
+
+        (12 l h^2 + 6 l h + 2 V h + V) / t  +  6 l h + s h + 2 h       (t = 1: cfg.num_params)
+    """
+    l, h, V, s = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len
+    return (12 * l * h * h + 6 * l * h + 2 * V * h + V) // t + 6 * l * h + s * h + 2 * h
+
+
+def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: bool = False) -> dict[str, int]:
+    """Bytes minipar's GPT saves for backward on one micro-batch of b sequences, by part, over t
+    tensor-parallel ranks (sequence-parallel if sp).
 
     Per layer, e bytes an element (4 in fp32, 2 for a 16-bit model):
-        16 sbh e    inputs of ln1 and ln2 (2), their outputs = the linears' inputs (2), q, k, v and
-                    the attention output (4), the GELU's input (4) and output (4)
-      +  4 sb e     mean and 1/std of the two LayerNorms
-      +  4 asb      the attention's log-sum-exp, fp32
-    That is Korthikanti's sbh(34 + 5as/h) less what minipar does not store: the two dropout masks
-    (2 sbh: dropout is off) and the attention matrix (5as^2b: F.scaled_dot_product_attention's fused
-    kernel keeps only the log-sum-exp and recomputes the probabilities in backward).
+        outside the TP regions (/t with SP):
+          4 sbh e    inputs of ln1 and ln2, their outputs (the regions' inputs)
+          4 sb e     mean and 1/std of the two LayerNorms
+        inside (/t):
+         12 sbh e    q, k, v, the attention output, the GELU's input (4) and output (4)
+          4 asb      the attention's log-sum-exp, fp32
+    That is Korthikanti's count less what minipar does not store: the two dropout masks (2 sbh:
+    dropout is off) and the attention matrix (5as^2b: F.scaled_dot_product_attention's fused kernel
+    keeps only the log-sum-exp and recomputes the probabilities in backward).
     Outside the layers:
-        head     2 sbh e + 2 sb e   (ln_f's input, output and statistics)
-               + 4 sbV + 4          (the fp32 log-probabilities of the cross-entropy, its weight sum)
-        tokens   16 sb + 8 s        (int64 input ids and targets, positions)
+        head     2 sbh e + 2 sb e  (ln_f's input, output and statistics; /t with SP)
+                 + 4 sbV + 4        (t = 1: F.cross_entropy's fp32 log-probabilities, its weight sum)
+                 + 4 sbV/t + 9 sb   (t > 1: the vocab-parallel softmax slice, local targets, their mask)
+        tokens   16 sb + 8 s        (t = 1: int64 input ids and targets, positions)
+                 9 sb + 8 s         (t > 1: the embedding's local ids and mask, positions)
     """
     s, b, h, a, V = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head, cfg.vocab_size
-    e = element_bytes
-    return {"layers": cfg.n_layer * (16 * s * b * h * e + 4 * s * b * e + 4 * a * s * b),
-            "head": 2 * s * b * h * e + 2 * s * b * e + 4 * s * b * V + 4,
-            "tokens": 16 * s * b + 8 * s}
+    e, cut = element_bytes, t if sp else 1
+    loss, tokens = (4 * s * b * V + 4, 16 * s * b) if t == 1 else (4 * s * b * V // t + 9 * s * b, 9 * s * b)
+    outside, inside = 4 * s * b * h * e + 4 * s * b * e, 12 * s * b * h * e + 4 * a * s * b
+    return {"layers": cfg.n_layer * (outside // cut + inside // t),
+            "head": (2 * s * b * h * e + 2 * s * b * e) // cut + loss,
+            "tokens": tokens + 8 * s}
 
 
 def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *, rank: int = 0
             ) -> dict[str, int]:
-    """Predicted peak memory of one rank (default rank 0, the fullest), {category: bytes}, as
-    `train(...).peak_memory` measures it. Psi = cfg.num_params, N = par.dp, bytes per parameter
-    (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8) fp32, (2, 2, 12) mixed.
+    """Predicted peak memory of DP rank `rank` (default 0, the fullest), {category: bytes}, as
+    `train(...).peak_memory` measures it. Psi = the parameters a rank holds (`tp_params`), N = par.dp,
+    bytes per parameter (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8)
+    fp32, (2, 2, 12) mixed.
 
       params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer) | p Psi_pad/N (3)
       grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
@@ -186,11 +210,12 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     gradients, which zero.py keeps from backward to the step (a production ZeRO-2 reduce-scatters
     them bucket by bucket during backward instead).
     """
-    if (par.tp, par.pp, par.recompute) != (1, 1, "none"):
-        raise NotImplementedError("predict covers dp x ZeRO layouts (tp = pp = 1, recompute 'none')")
+    if (par.pp, par.recompute) != (1, "none") or (par.tp > 1 and par.zero == 3):
+        raise NotImplementedError("predict covers dp x tp x ZeRO layouts (pp = 1, recompute 'none', "
+                                  "no ZeRO-3 with tp)")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision)
-    n, stage, psi = par.dp, par.zero, cfg.num_params
+    n, stage, psi = par.dp, par.zero, tp_params(cfg, par.tp)
     sizes = [size for _, size in units(cfg)] if stage == 3 else [psi]
     shards = [_shard(size, n, rank) for size in sizes]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
@@ -209,7 +234,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
             "grads": per["grads"] * (psi if stage < 2 else shard),
             "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
-            "activations": sum(activations(cfg, b, 4 if par.precision == "fp32" else 2).values()),
+            "activations": sum(activations(cfg, b, 4 if par.precision == "fp32" else 2, par.tp,
+                                           par.sequence_parallel).values()),
             "comm": comm}
 
 
@@ -221,10 +247,11 @@ def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, 
       stage 3           reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  2 (N-1)/N p Psi_pad
                         (gathered before forward and again before backward: 3 Psi in all, 1.5x DP),
                         times par.microbatches: every micro-batch gathers and reduces again
+    Psi is what one rank holds (`tp_params`); tensor_parallel.traffic adds the TP group's bytes.
     With par.collectives == "torch" the names get a "torch_" prefix. Nothing is sent when N = 1.
     """
     per = bytes_per_param or layout_bytes(par.precision)
-    n, psi = par.dp, cfg.num_params
+    n, psi = par.dp, tp_params(cfg, par.tp)
     if n == 1:
         return {}
     sizes = [size for _, size in units(cfg)] if par.zero == 3 else [psi]

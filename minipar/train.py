@@ -30,9 +30,11 @@ from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.precision import DTYPES, MixedPrecision
+from minipar.tensor_parallel import TPGroup, apply_tp, full_state_dict, sync_sequence_parallel_grads
+from minipar.tensor_parallel import vocab_parallel_cross_entropy
 from minipar.zero import Zero3, ZeroOptimizer
 
-IMPLEMENTED = dict(tp=1, pp=1, recompute=("none",))
+IMPLEMENTED = dict(pp=1, recompute=("none",))
 
 
 @dataclass
@@ -100,6 +102,8 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def _check_implemented(par: ParallelConfig) -> None:
+    if par.tp > 1 and par.zero >= 2:
+        raise NotImplementedError("ZeRO-2/3 with tp > 1 is not implemented yet: use zero 0 or 1")
     for name, allowed in IMPLEMENTED.items():
         value = getattr(par, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
@@ -125,7 +129,12 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             dist.get_backend() == "nccl" else "cpu"
     mesh = Mesh.build(par.dp, par.tp, par.pp)
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the same one
+    tp, loss_fn = None, cross_entropy
+    if par.tp > 1:
+        tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives)
+        model = apply_tp(model, tp)
+        loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)  # noqa: E731
     reduce, masters = None, None  # what reduces the gradients inside mp.step (mixed precision, dp > 1)
     if par.zero:  # ZeRO shards the fp32 weights into 16-bit parameters and fp32 masters itself
         mixed = par.precision in ("bf16", "fp16")
@@ -156,7 +165,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 last = mb == par.microbatches - 1
                 t0 = time.perf_counter()
                 with meter, mp.autocast():
-                    loss = cross_entropy(model(xb), yb) / par.microbatches
+                    loss = loss_fn(model(xb), yb) / par.microbatches
                 t1 = time.perf_counter()
                 with dp.no_sync() if dp and not last else contextlib.nullcontext():
                     mp.scale(loss).backward()
@@ -166,6 +175,8 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                 loss_sum += loss.item()
             if dp:
                 dp.finish()
+            if tp and tp.sequence_parallel:  # after DP's reduction, which writes the gradients back
+                sync_sequence_parallel_grads(model, tp)
             # the step before any other collective: ZeRO-3 may still be reducing gradients
             optimizer.step() if par.zero else mp.step(optimizer, reduce)
             if par.dp > 1:
@@ -190,15 +201,19 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     for sync in (dp, masters):
         if sync:
             sync.close()
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
+    state = None
+    if return_state:  # the single-device weights; with tp > 1 every rank of the group takes part
+        state = full_state_dict(model, tp) if tp else \
+            {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
 
 
 def _predicted(cfg, par, global_batch) -> list[dict] | None:
-    """memory.predict for every rank, where the model covers the layout (dp x ZeRO so far)."""
-    try:
-        return [memory.predict(cfg, par, global_batch, rank=rank) for rank in range(par.world)]
+    """memory.predict for every rank, where the model covers the layout (dp x tp x ZeRO so far)."""
+    grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
+    try:  # ZeRO's shard is the rank's place in its DP group
+        return [memory.predict(cfg, par, global_batch, rank=c.dp_rank) for c in grid]
     except NotImplementedError:
         return None
 
