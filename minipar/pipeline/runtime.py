@@ -1,0 +1,303 @@
+"""Pipeline runtime: cut the GPT into chunks, then run any schedule's actions with point-to-point sends.
+
+Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the batch
+into m micro-batches; activations travel forward from stage to stage and their gradients travel back,
+so that stages work on different micro-batches at once (GPipe, Huang et al. 2019; 1F1B, interleaving:
+Narayanan et al. 2021; the B/W split: Qi et al. 2023). The order of the work is the schedule, which is
+data (`minipar.pipeline.schedules`); this file executes any valid one.
+
+    chunk k of p·v lives on pipeline rank k % p        (v = 1:  rank 0 | rank 1 | ... | rank p-1)
+    F(k, j): x_j -> chunk k -> send to rank of k+1     B(k, j): dy from rank of k+1 -> backward -> send dx
+
+Costs, P parameters, b micro-batch size, s sequence length, h hidden size, 4-byte activations:
+    parameters per rank     ~ P/p (the first stage also has the embeddings, the last the head; see
+                            `partition` to balance them by measured cost)
+    p2p per micro-batch     b·s·h·4 bytes each way across every boundary between chunks on different ranks:
+                            per step 2·(p·v-1)·m·b·s·h·4 bytes in all (a rank sends its chunks' outputs
+                            forward and its input gradients back); nothing when consecutive chunks share a rank
+    activations in flight   the schedule decides: GPipe m micro-batches on every rank, 1F1B at most p-r on
+                            rank r (`PipelineExecutor.peak_in_flight` measures it), each holding its chunk's
+                            saved activations (Korthikanti et al. 2022: s·b·h·(34 + 5·a·s/h) bytes per layer,
+                            16-bit). A split B/W keeps them longer: until W (see `PipelineExecutor._weight`).
+
+How messages match without tags (NCCL ignores them): every message has one producer action, and the
+whole schedule is known on every rank, so each pair of ranks can list the messages between them in one
+order both follow: the order in which a dependency-respecting replay produces them (`message_order`).
+Sends are non-blocking and posted right after the action that produces them; receives are posted
+lazily, when an action needs one, together with every earlier entry of that pair's list; all sends
+are waited at the end of the step. On gloo this keeps FIFO matching right; on NCCL, where the sends and
+receives of one pair of ranks run in order on one stream, it means both ranks queue them in the same
+order, so none waits behind a message the other has not queued yet.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minipar import comm
+from minipar.model import GPT, cross_entropy
+from minipar.pipeline.schedules import Action, check, replay
+
+# ----------------------------------------------------------------------------- cutting the model
+
+
+def partition(n_layer: int, chunks: int, costs=None) -> list[range]:
+    """Contiguous layer ranges, one per chunk: uniform, or minimising the largest chunk's cost.
+
+    costs=None: sizes differ by at most one, the first chunks take the extra layers.
+    costs: n_layer per-layer costs (seconds, FLOPs...), or n_layer + 2 values [embedding, layer 0, ...,
+    layer l-1, head + loss]: the first chunk then also pays the embedding and the last the head. The
+    split minimises the maximum chunk cost (dynamic programming over the boundaries, O(chunks·l²)).
+    """
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if chunks > n_layer:
+        raise ValueError(f"chunks ({chunks}) must not exceed n_layer ({n_layer}): every chunk needs a layer")
+    size, extra = divmod(n_layer, chunks)
+    bounds = [k * size + min(k, extra) for k in range(chunks + 1)]
+    if costs is not None:
+        costs = [float(c) for c in costs]
+        if len(costs) not in (n_layer, n_layer + 2):
+            raise ValueError(f"costs must have n_layer ({n_layer}) or n_layer + 2 values, got {len(costs)}")
+        emb, head = (costs.pop(0), costs.pop()) if len(costs) == n_layer + 2 else (0.0, 0.0)
+        prefix = [0.0, *itertools.accumulate(costs)]
+        cost = lambda a, b: prefix[b] - prefix[a] + emb * (a == 0) + head * (b == n_layer)  # noqa: E731
+        best = {(0, 0): (0.0, 0)}  # (k, i) -> (least max cost of layers [0, i) in k chunks, where the k-th starts)
+        for k in range(1, chunks + 1):
+            for i in range(k, n_layer + 1):
+                best[k, i] = min((max(best[k - 1, j][0], cost(j, i)), j) for j in range(k - 1, i) if (k - 1, j) in best)
+        bounds = [n_layer]
+        for k in range(chunks, 0, -1):
+            bounds.insert(0, best[k, bounds[0]][1])
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class Chunk(nn.Module):
+    """Some consecutive layers of a GPT, holding the GPT's own modules (references, not copies).
+
+    forward: idx (B, T) int64 if `first`, else hidden (B, T, h) -> hidden (B, T, h), or logits (B, T, V)
+    if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"), so state dicts merge back.
+    """
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.layers, self.first, self.last = layers, first, last
+        if first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # the same expression as GPT.forward, so the numbers are the same
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))  # (B, T, h)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+build_chunk = Chunk  # build_chunk(model, layers, first, last) -> Chunk
+
+
+def chunks_for_rank(model: GPT, pp: int, pp_rank: int, virtual_stages: int = 1, costs=None) -> dict[int, Chunk]:
+    """This rank's chunks {global chunk index: Chunk}: chunk k of pp·virtual_stages lives on rank k % pp."""
+    n = pp * virtual_stages
+    layers = partition(model.cfg.n_layer, n, costs)
+    return {k: Chunk(model, layers[k], k == 0, k == n - 1) for k in range(pp_rank, n, pp)}
+
+
+def free_unused(model: GPT, chunks) -> None:
+    """Replace the GPT's modules that none of `chunks` uses by nn.Identity, so that their memory goes and
+    model.parameters() / model.state_dict() are this rank's share (names unchanged)."""
+    kept = {id(m) for chunk in chunks for m in chunk.modules()}
+    for i, block in enumerate(model.blocks):
+        if id(block) not in kept:
+            model.blocks[i] = nn.Identity()
+    for name in ("tok_emb", "pos_emb", "ln_f", "head"):
+        if id(getattr(model, name)) not in kept:
+            setattr(model, name, nn.Identity())
+
+
+# ----------------------------------------------------------------------------- the schedule's messages
+
+
+def _key(a) -> tuple[str, int, int]:
+    return (a.op, a.stage, a.microbatch)
+
+
+def _ends(key: tuple, p: int) -> tuple[int, int]:
+    """(sending rank, receiving rank) of message `key`: F(c) goes to chunk c+1, B(c) to chunk c-1."""
+    return key[1] % p, (key[1] + (1 if key[0] == "F" else -1)) % p
+
+
+def message_order(schedule, chunks: int) -> list[tuple]:
+    """Every message of a step, named by the action that produces it (F(c): the activation for chunk
+    c+1; B(c): the gradient for chunk c-1), in the order `schedules.replay` produces them: each rank runs
+    its next action as soon as its inputs exist. Any such order is causal, which is all matching needs."""
+    p = len(schedule)
+    done, stuck = replay([[Action(*_key(a)) for a in ops] for ops in schedule], p, chunks // p)
+    if stuck:
+        raise ValueError("the schedule deadlocks: " + ", ".join(f"rank {r} at {a} waits for {d}" for r, a, d in stuck))
+    return [_key(a) for a in done if (a.op == "F" and a.stage < chunks - 1) or (a.op == "B" and a.stage > 0)]
+
+
+# ----------------------------------------------------------------------------- the executor
+
+
+class PipelineExecutor:
+    """Runs this rank's actions of `schedule` (one list of Actions per pipeline rank), a step at a time.
+
+    chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the activations
+    between chunks; group: the pipeline group (None: the world, or no process group when p = 1).
+    Gradients accumulate into the chunks' .grad (sum of loss_j / m over micro-batches j); the caller
+    steps the optimizer. If the schedule has W actions, B computes only input gradients, see `_weight`.
+    """
+
+    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, dtype: torch.dtype | None = None):
+        self.p, self.chunks = len(schedule), dict(chunks)
+        self.n_chunks = 1 + max(a.stage for rank in schedule for a in rank)
+        self.m = 1 + max(a.microbatch for rank in schedule for a in rank)
+        self.split = any(a.op == "W" for rank in schedule for a in rank)
+        check([[Action(*_key(a)) for a in ops] for ops in schedule], self.p, self.m, self.n_chunks // self.p)
+        self.ranks, self.rank = [dist.get_rank() if dist.is_initialized() else 0], 0  # p = 1: all local
+        if self.p > 1:
+            self.ranks = dist.get_process_group_ranks(group) if group is not None else \
+                list(range(dist.get_world_size()))
+            self.rank = self.ranks.index(dist.get_rank())
+        if len(self.ranks) != self.p:
+            raise ValueError(f"the schedule has {self.p} ranks but the pipeline group {len(self.ranks)}")
+        if set(self.chunks) != set(range(self.rank, self.n_chunks, self.p)):
+            raise ValueError(f"rank {self.rank} holds chunks {sorted(self.chunks)}, the schedule puts "
+                             f"{list(range(self.rank, self.n_chunks, self.p))} there")
+        self.actions, self.group, self.shape = list(schedule[self.rank]), group, tuple(shape)
+        params = [p for c in self.chunks.values() for p in c.parameters()]
+        self.device = params[0].device
+        self.dtype = dtype or next(p.dtype for p in params if p.is_floating_point())
+        # this rank's messages, per peer, in the order both ends follow: (key, True if we send it)
+        self.queues = {q: [] for q in range(self.p) if q != self.rank}
+        for key in message_order(schedule, self.n_chunks):
+            src, dst = _ends(key, self.p)
+            if src != dst and self.rank in (src, dst):
+                self.queues[dst if src == self.rank else src].append((key, src == self.rank))
+        # modules that own parameters: in split mode W runs their weight gradients one by one
+        self.owners = {k: [m for m in c.modules() if any(True for _ in m.parameters(recurse=False))]
+                       for k, c in self.chunks.items()}
+        self.peak_in_flight = 0
+
+    def _peer(self, key) -> tuple[int, int]:
+        """(the pipeline rank on the other side of message `key`, whether it stays on this rank)."""
+        src, dst = _ends(key, self.p)
+        return (dst if src == self.rank else src), src == dst
+
+    def _post_until(self, peer: int, key) -> None:
+        """Post this pair's messages in their agreed order, up to and including `key`."""
+        queue = self.queues[peer]
+        while self._posted[peer] < len(queue):
+            k, send = queue[self._posted[peer]]
+            assert not send or k in self._outbox, f"message {k} to rank {peer} is due before {key}, not made yet"
+            if send:
+                t = self._outbox.pop(k)
+                comm.record("p2p", t.numel() * t.element_size(), calls=1)
+                self._sends.append((dist.isend(t, self.ranks[peer], self.group), t))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                self._inbox[k] = (buf, dist.irecv(buf, self.ranks[peer], self.group))
+            self._posted[peer] += 1
+            if k == key:
+                return
+
+    def _send(self, key, tensor: torch.Tensor) -> None:
+        peer, local = self._peer(key)
+        if local:
+            self._inbox[key] = (tensor, None)
+            return
+        self._outbox[key] = tensor.detach().contiguous()
+        self._post_until(peer, key)
+
+    def _receive(self, key) -> torch.Tensor:
+        peer, local = self._peer(key)
+        if not local and key not in self._inbox:
+            self._post_until(peer, key)
+        tensor, work = self._inbox.pop(key)
+        if work is not None:
+            work.wait()
+        return tensor
+
+    def _forward(self, c: int, j: int, inputs, targets) -> float:
+        x = inputs[j] if c == 0 else self._receive(("F", c - 1, j)).detach().requires_grad_()
+        start, captured = time.perf_counter(), []
+        hooks = [m.register_forward_hook(lambda mod, i, out: captured.append((mod, out)))
+                 for m in self.owners[c]] if self.split else []
+        try:
+            out = self.chunks[c](x)
+        finally:
+            for h in hooks:
+                h.remove()
+        if c == self.n_chunks - 1:
+            loss = cross_entropy(out, targets[j]) / self.m
+            self._loss += loss.detach()
+            out = loss * self._scale if self._scale != 1.0 else loss
+        else:
+            self._send(("F", c, j), out)
+        self._saved[(c, j)] = (x, out, captured)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
+        return start
+
+    def _backward(self, c: int, j: int) -> float:
+        dy = None if c == self.n_chunks - 1 else self._receive(("B", c + 1, j))
+        start = time.perf_counter()
+        x, out, captured = self._saved.pop((c, j))
+        if self.split:  # input gradient only; keep the graph and each weight-owning module's output grad
+            wanted = ([x] if c > 0 else []) + [y for _, y in captured]
+            grads = torch.autograd.grad(out, wanted, dy, retain_graph=True, allow_unused=True)
+            dx, self._saved[(c, j)] = (grads[0] if c > 0 else None), (captured, grads[1 if c > 0 else 0:])
+        else:
+            torch.autograd.backward(out, dy)
+            dx = x.grad
+        if c > 0:
+            self._send(("B", c, j), dx)
+        return start
+
+    def _weight(self, c: int, j: int) -> float:
+        """W: each weight-owning module's parameter gradients from its output gradient, saved by B.
+
+        One backward per module, from its output to its own parameters only (a single backward from all
+        outputs would also flow through later modules into earlier ones and count gradients twice). The
+        work is the weight-gradient GEMMs alone; the price is memory: from B to W a micro-batch keeps its
+        whole autograd graph (its saved activations, as between F and B) plus one output gradient per
+        module that owns weights (~ 12·b·s·h per layer, and b·s·V for the head).
+        """
+        start = time.perf_counter()
+        captured, grads = self._saved.pop((c, j))
+        for (module, y), dy in zip(captured, grads):
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if dy is not None and params:
+                torch.autograd.backward(y, dy, inputs=params)  # accumulates into .grad, hooks fire
+        return start
+
+    def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> tuple[float, list]:
+        """Run this rank's actions once. inputs[j] (b, s) token ids of micro-batch j are needed where chunk
+        0 lives, targets[j] where the last chunk lives. Returns (loss, timeline): loss = sum over j of
+        cross_entropy_j / m as a float on the rank of the last chunk and 0.0 elsewhere (so a sum over the
+        pipeline group gives it to all); timeline = [(action, start, end)] in time.perf_counter seconds,
+        start being when the action's inputs had arrived. The backward runs on loss · loss_scale."""
+        if 0 in self.chunks and inputs is None or self.n_chunks - 1 in self.chunks and targets is None:
+            raise ValueError(f"rank {self.rank} needs inputs (chunk 0) and/or targets (last chunk)")
+        self._loss = torch.zeros((), device=self.device)
+        self._scale, self._saved, self._inbox, self._outbox, self._sends = float(loss_scale), {}, {}, {}, []
+        self._posted = {q: 0 for q in self.queues}
+        timeline = []
+        for a in self.actions:
+            op, c, j = _key(a)
+            start = self._forward(c, j, inputs, targets) if op == "F" else \
+                self._backward(c, j) if op == "B" else self._weight(c, j)
+            timeline.append((a, start, time.perf_counter()))
+        for work, _ in self._sends:
+            work.wait()
+        assert not self._saved and not self._inbox and not self._outbox, "a message or activation was left over"
+        self._sends = []
+        return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), timeline
