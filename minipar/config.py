@@ -101,5 +101,11 @@ class ParallelConfig:
         if self.pp * self.virtual_stages > cfg.n_layer:
             raise ValueError(f"pp * virtual_stages ({self.pp} * {self.virtual_stages}) must not exceed the "
                              f"model's n_layer ({cfg.n_layer}): every stage needs a layer")
+        if self.pp > 1:  # the schedule's own rules (micro-batches a schedule needs...), named for this config
+            from minipar.pipeline.schedules import validate
+            try:
+                validate(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+            except ValueError as e:
+                raise ValueError(f"ParallelConfig (pp = stages = {self.pp}): {e}") from None
         if self.sequence_parallel and cfg.seq_len % self.tp:
             raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp ({self.tp})")

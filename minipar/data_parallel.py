@@ -111,10 +111,10 @@ class DataParallel:
                 self._wait(self._all_reduce(p.grad, "all-reduce"))
                 p.grad.div_(self.size)
         else:
-            for bucket in self.buckets[self._next:]:  # parameters that got no gradient count as zeros
-                for i, p in enumerate(bucket.params):
+            for bucket in self.buckets[self._next:]:  # gradients no hook sent (no_sync throughout, as a
+                for i, p in enumerate(bucket.params):  # pipeline step runs; or unused): as they are, or zeros
                     if i not in bucket.arrived:
-                        bucket.slice(i).zero_()
+                        bucket.slice(i).copy_(p.grad.view(-1)) if p.grad is not None else bucket.slice(i).zero_()
                 self._launch(bucket)
             for bucket in self.buckets:
                 self._wait(bucket.work)

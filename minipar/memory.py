@@ -13,6 +13,8 @@ buffers by what each technique allocates. `zero_table` recomputes the ZeRO paper
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
@@ -37,27 +39,42 @@ def optimizer_tensors(optimizer):
 class ActivationMeter:
     """Peak bytes of tensors saved for backward, over the forwards run inside `with meter:`.
 
-    Call `meter.release()` after a backward: the saved tensors are freed then.
+    A saved tensor counts from its forward until autograd drops it (after its backward: a weakref
+    sees it go), so a pipeline's micro-batches in flight are counted as they come and go. Call
+    `meter.release()` after a backward to start afresh.
     """
 
     def __init__(self):
-        self.live: set[int] = set()  # storages saved since the last release
+        self.live: dict[int, list[int]] = {}  # storage -> [saved tensors holding it, bytes]
         self.current = self.peak = 0
+        self.generation = 0  # a release forgets what was saved before it
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()), is not an activation
-        if not (base.is_leaf and base.requires_grad) and ptr not in self.live:
-            self.live.add(ptr)
+        if base.is_leaf and base.requires_grad:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [0, storage.nbytes()]
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
+        self.live[ptr][0] += 1
+        weakref.finalize(t, self._dropped, ptr, self.generation)
         return t
+
+    def _dropped(self, ptr: int, generation: int) -> None:
+        if generation != self.generation or ptr not in self.live:
+            return
+        self.live[ptr][0] -= 1
+        if not self.live[ptr][0]:
+            self.current -= self.live.pop(ptr)[1]
 
     def release(self) -> None:
         self.live.clear()
         self.current = 0
+        self.generation += 1
 
     def __enter__(self):
         self._hooks.__enter__()

@@ -29,12 +29,14 @@ from minipar.hardware import peak_flops
 from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig, cross_entropy
+from minipar.pipeline import schedule
+from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
 from minipar.precision import DTYPES, MixedPrecision
 from minipar.tensor_parallel import TPGroup, apply_tp, full_state_dict, sync_sequence_parallel_grads
 from minipar.tensor_parallel import vocab_parallel_cross_entropy
 from minipar.zero import Zero3, ZeroOptimizer
 
-IMPLEMENTED = dict(pp=1, recompute=("none",))
+IMPLEMENTED = dict(recompute=("none",))
 
 
 @dataclass
@@ -102,8 +104,10 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def _check_implemented(par: ParallelConfig) -> None:
-    if par.tp > 1 and par.zero >= 2:
-        raise NotImplementedError("ZeRO-2/3 with tp > 1 is not implemented yet: use zero 0 or 1")
+    if (par.tp > 1 or par.pp > 1) and par.zero >= 2:
+        raise NotImplementedError("ZeRO-2/3 with tp or pp > 1 is not implemented yet: use zero 0 or 1")
+    if par.tp > 1 and par.pp > 1 and par.schedule == "zb-h1":  # its W step runs per module, and TP's
+        raise NotImplementedError("zb-h1 with tp > 1 is not implemented yet")  # attention fuses q, k, v
     for name, allowed in IMPLEMENTED.items():
         value = getattr(par, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
@@ -135,6 +139,9 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives)
         model = apply_tp(model, tp)
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)  # noqa: E731
+    if par.pp > 1:  # this rank keeps its chunks of the (tensor-parallel) layers and frees the rest
+        chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages)
+        free_unused(model, chunks.values())
     reduce, masters = None, None  # what reduces the gradients inside mp.step (mixed precision, dp > 1)
     if par.zero:  # ZeRO shards the fp32 weights into 16-bit parameters and fp32 masters itself
         mixed = par.precision in ("bf16", "fp16")
@@ -151,28 +158,27 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
         elif par.dp > 1:  # mixed precision: the fp32 master gradients, an all-reduce per tensor (naive)
             masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)
             reduce = lambda grads: masters.finish()  # noqa: E731
+    pipe = None
+    if par.pp > 1:  # after MixedPrecision: what travels between stages has the model's dtype
+        shape = (global_batch // (par.dp * par.microbatches), cfg.seq_len // (par.tp if par.sequence_parallel else 1),
+                 cfg.d_model)
+        pipe = PipelineExecutor(chunks, schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages),
+                                shape, mesh.pp_group, loss_fn=loss_fn)
     meter = memory.ActivationMeter()
-    losses, step_times, mem = [], [], {}
+    losses, step_times, mem, timeline = [], [], {}, []
     report = report if mesh.rank == 0 else None
     with comm.count() as sent:
         for step in range(steps):
             start = time.perf_counter()
             x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
-            loss_sum = 0.0
-            for mb in range(par.microbatches):
-                xb = dataset.shard(x, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
-                yb = dataset.shard(y, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
-                last = mb == par.microbatches - 1
-                t0 = time.perf_counter()
-                with meter, mp.autocast():
-                    loss = loss_fn(model(xb), yb) / par.microbatches
-                t1 = time.perf_counter()
-                with dp.no_sync() if dp and not last else contextlib.nullcontext():
-                    mp.scale(loss).backward()
-                meter.release()
-                if dp:  # the compute half of the timeline; dp records the communication
-                    dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
-                loss_sum += loss.item()
+            if pipe:  # every micro-batch's forward and backward, in the schedule's order
+                rows = [[dataset.shard(t, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+                         for mb in range(par.microbatches)] for t in (x, y)]
+                with meter, mp.autocast(), dp.no_sync() if dp else contextlib.nullcontext():
+                    loss_sum, timeline = pipe.step(*rows, loss_scale=mp.scaler.scale if mp.scaler else 1.0)
+                loss_sum = _sum_over(loss_sum, mesh.pp_group)  # the last stage has it, the others 0
+            else:
+                loss_sum = _accumulate(model, x, y, par, mesh, device, mp, dp, meter, loss_fn)
             if dp:
                 dp.finish()
             if tp and tp.sequence_parallel:  # after DP's reduction, which writes the gradients back
@@ -180,7 +186,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             # the step before any other collective: ZeRO-3 may still be reducing gradients
             optimizer.step() if par.zero else mp.step(optimizer, reduce)
             if par.dp > 1:
-                loss_sum = _mean_over(loss_sum, mesh.dp_group)
+                loss_sum = _sum_over(loss_sum, mesh.dp_group) / par.dp
             if step == 0:  # grads still held, optimizer state just allocated
                 mem = _measure(model, optimizer, dp, mp)
             optimizer.zero_grad()
@@ -193,7 +199,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     mem["activations"] = meter.peak
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
         mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
-    timeline = dp.timeline if dp else []
+    timeline = timeline or (dp.timeline if dp else [])
     if par.zero == 3:
         if return_state:
             optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
@@ -205,6 +211,10 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     if return_state:  # the single-device weights; with tp > 1 every rank of the group takes part
         state = full_state_dict(model, tp) if tp else \
             {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if par.pp > 1:  # and every stage its share
+            shares = [None] * par.pp
+            dist.all_gather_object(shares, state, group=mesh.pp_group)
+            state = {k: v for share in shares for k, v in share.items()}
     return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
 
@@ -226,11 +236,31 @@ def _measure(model, optimizer, dp, mp) -> dict[str, int]:
     return {**mp.measure(optimizer), "activations": 0, "comm": dp.comm_buffer_bytes if dp else 0}
 
 
-def _mean_over(value: float, group) -> float:
-    """The mean of a float over the group (metrics only: not counted as training traffic)."""
+def _accumulate(model, x, y, par, mesh, device, mp, dp, meter, loss_fn) -> float:
+    """Forward and backward of this rank's micro-batches one after the other; returns the summed loss."""
+    loss_sum = 0.0
+    for mb in range(par.microbatches):
+        xb = dataset.shard(x, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+        yb = dataset.shard(y, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+        last = mb == par.microbatches - 1
+        t0 = time.perf_counter()
+        with meter, mp.autocast():
+            loss = loss_fn(model(xb), yb) / par.microbatches
+        t1 = time.perf_counter()
+        with dp.no_sync() if dp and not last else contextlib.nullcontext():
+            mp.scale(loss).backward()
+        meter.release()
+        if dp:  # the compute half of the timeline; dp records the communication
+            dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def _sum_over(value: float, group) -> float:
+    """The sum of a float over the group (metrics only: not counted as training traffic)."""
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, group=group)
-    return t.item() / dist.get_world_size(group)
+    return t.item()
 
 
 class ProgressBar:

@@ -157,7 +157,8 @@ class PipelineExecutor:
     steps the optimizer. If the schedule has W actions, B computes only input gradients, see `_weight`.
     """
 
-    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, dtype: torch.dtype | None = None):
+    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, dtype: torch.dtype | None = None,
+                 loss_fn=cross_entropy):
         self.p, self.chunks = len(schedule), dict(chunks)
         self.n_chunks = 1 + max(a.stage for rank in schedule for a in rank)
         self.m = 1 + max(a.microbatch for rank in schedule for a in rank)
@@ -174,6 +175,7 @@ class PipelineExecutor:
             raise ValueError(f"rank {self.rank} holds chunks {sorted(self.chunks)}, the schedule puts "
                              f"{list(range(self.rank, self.n_chunks, self.p))} there")
         self.actions, self.group, self.shape = list(schedule[self.rank]), group, tuple(shape)
+        self.loss_fn = loss_fn  # (logits, targets) -> mean loss; tensor parallelism passes its own
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.device = params[0].device
         self.dtype = dtype or next(p.dtype for p in params if p.is_floating_point())
@@ -238,7 +240,7 @@ class PipelineExecutor:
             for h in hooks:
                 h.remove()
         if c == self.n_chunks - 1:
-            loss = cross_entropy(out, targets[j]) / self.m
+            loss = self.loss_fn(out, targets[j]) / self.m
             self._loss += loss.detach()
             out = loss * self._scale if self._scale != 1.0 else loss
         else:

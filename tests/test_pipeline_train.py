@@ -1,0 +1,61 @@
+"""Pipeline parallelism through minipar.train: every schedule equals the single-process run.
+
+pp 2, 3, 4 with each schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages, ZB-H1), layers
+that do not divide evenly, and pp composed with dp and with tp + sequence parallelism: the same losses
+and final weights (fp32, 1e-5). The point-to-point bytes are the formula's; 1F1B holds fewer
+activations than GPipe; layouts that cannot run fail before any process starts.
+"""
+import pytest
+
+import minipar
+from minipar.config import ParallelConfig
+from reference import assert_same_training
+
+CFG = minipar.GPTConfig.preset("tiny", n_layer=8)   # 8 layers: 4 ranks x 2 virtual stages fit
+STEPS, BATCH = 3, 12
+KW = dict(steps=STEPS, global_batch=BATCH, lr=1e-3, weight_decay=0.1, seed=0, return_state=True)
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return minipar.train(CFG, ParallelConfig(), **KW)
+
+
+def _layout(pp, schedule, **more):
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    return ParallelConfig(pp=pp, schedule=schedule, virtual_stages=virtual, microbatches=pp, **more)
+
+
+CASES = [_layout(pp, s) for pp in (2, 3, 4) for s in SCHEDULES] + [
+    _layout(2, "1f1b", dp=2), _layout(2, "1f1b", tp=2, sequence_parallel=True)]
+
+
+@pytest.mark.parametrize("par", CASES, ids=[par.label for par in CASES])
+def test_every_schedule_equals_the_single_process_run(par, reference):
+    res = minipar.train(CFG, par, **KW)
+    assert_same_training(res, reference)
+    # p2p: each boundary between chunks on different ranks carries b s h 4 bytes per micro-batch, each way
+    b, s, h = BATCH // (par.dp * par.microbatches), CFG.seq_len // (par.tp if par.sequence_parallel else 1), CFG.d_model
+    boundaries = par.pp * par.virtual_stages - 1
+    total = sum(r.get("p2p", 0) for r in res.comm_bytes) / (par.dp * par.tp)
+    assert total == STEPS * 2 * boundaries * par.microbatches * b * s * h * 4
+    assert {len(t) for t in res.timelines} == {2 * par.microbatches * par.virtual_stages * (1 + (par.schedule == "zb-h1") / 2)}
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    """GPipe keeps all m micro-batches' activations on stage 0, 1F1B at most p of them."""
+    peak = {s: minipar.train(CFG, ParallelConfig(pp=2, microbatches=6, schedule=s), steps=1,
+                             global_batch=12).peak_memory[0]["activations"] for s in ("gpipe", "1f1b")}
+    assert peak["1f1b"] < 0.5 * peak["gpipe"]
+
+
+def test_layouts_that_cannot_run_fail_before_any_process():
+    with pytest.raises(ValueError, match=r"microbatches \(3\) to be a multiple of stages \(2\)"):
+        minipar.train(CFG, ParallelConfig(pp=2, microbatches=3, schedule="interleaved-1f1b", virtual_stages=2),
+                      global_batch=12)
+    with pytest.raises(ValueError, match="must not exceed the model's n_layer"):
+        minipar.train(CFG, ParallelConfig(pp=3, microbatches=3, schedule="interleaved-1f1b", virtual_stages=3),
+                      global_batch=12)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved-1f1b'"):
+        ParallelConfig(pp=2, virtual_stages=2)
