@@ -4,12 +4,12 @@
     cfg = minipar.GPTConfig.preset("tiny")
     res = minipar.train(cfg, minipar.ParallelConfig(), steps=20, global_batch=8, data="shakespeare")
 """
-from minipar import comm, demos
+from minipar import comm, demos, pipeline, tensor_parallel
 from minipar.config import ParallelConfig
 from minipar.launch import WorkerError, WorkerTimeout, launch
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
 from minipar.train import TrainResult, train
 
-__all__ = ["comm", "demos", "GPT", "GPTConfig", "Mesh", "ParallelConfig", "TrainResult", "WorkerError",
+__all__ = ["comm", "demos", "pipeline", "tensor_parallel", "GPT", "GPTConfig", "Mesh", "ParallelConfig", "TrainResult", "WorkerError",
            "WorkerTimeout", "launch", "train"]

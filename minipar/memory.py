@@ -175,9 +175,11 @@ def tp_params(cfg, t: int = 1) -> int:
     return (12 * l * h * h + 6 * l * h + 2 * V * h + V) // t + 6 * l * h + s * h + 2 * h
 
 
-def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: bool = False) -> dict[str, int]:
+def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: bool = False,
+                recompute: str = "none") -> dict[str, int]:
     """Bytes minipar's GPT saves for backward on one micro-batch of b sequences, by part, over t
-    tensor-parallel ranks (sequence-parallel if sp).
+    tensor-parallel ranks (sequence-parallel if sp), recomputing as `recompute` says (recompute.py):
+    "full" keeps only each layer's input, s b h e (/t with SP); "selective" drops the 4 asb/t below.
 
     Per layer, e bytes an element (4 in fp32, 2 for a 16-bit model):
         outside the TP regions (/t with SP):
@@ -200,7 +202,9 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
     e, cut = element_bytes, t if sp else 1
     loss, tokens = (4 * s * b * V + 4, 16 * s * b) if t == 1 else (4 * s * b * V // t + 9 * s * b, 9 * s * b)
     outside, inside = 4 * s * b * h * e + 4 * s * b * e, 12 * s * b * h * e + 4 * a * s * b
-    return {"layers": cfg.n_layer * (outside // cut + inside // t),
+    layer = {"none": outside // cut + inside // t, "selective": outside // cut + (inside - 4 * a * s * b) // t,
+             "full": s * b * h * e // cut}[recompute]
+    return {"layers": cfg.n_layer * layer,
             "head": (2 * s * b * h * e + 2 * s * b * e) // cut + loss,
             "tokens": tokens + 8 * s}
 
@@ -227,9 +231,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     gradients, which zero.py keeps from backward to the step (a production ZeRO-2 reduce-scatters
     them bucket by bucket during backward instead).
     """
-    if (par.pp, par.recompute) != (1, "none") or (par.tp > 1 and par.zero == 3):
-        raise NotImplementedError("predict covers dp x tp x ZeRO layouts (pp = 1, recompute 'none', "
-                                  "no ZeRO-3 with tp)")
+    if par.pp > 1 or (par.tp > 1 and par.zero == 3):
+        raise NotImplementedError("predict covers dp x tp x ZeRO layouts (pp = 1, no ZeRO-3 with tp)")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision)
     n, stage, psi = par.dp, par.zero, tp_params(cfg, par.tp)
@@ -252,7 +255,7 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
             "grads": per["grads"] * (psi if stage < 2 else shard),
             "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
             "activations": sum(activations(cfg, b, 4 if par.precision == "fp32" else 2, par.tp,
-                                           par.sequence_parallel).values()),
+                                           par.sequence_parallel, par.recompute).values()),
             "comm": comm}
 
 

@@ -85,9 +85,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):                                                    # (B, T, h)
         q, k, v = (rearrange(lin(x), "b t (nh hd) -> b nh t hd", nh=self.n_head) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(rearrange(y, "b nh t hd -> b t (nh hd)"))          # (B, T, h)
+        return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))  # (B, T, h)
+
+    def core(self, q, k, v):  # (B, nh, T, hd) each -> (B, nh, T, hd): causal softmax(q k^T / sqrt(hd)) v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):

@@ -225,9 +225,9 @@ class ParallelAttention(nn.Module):
     def forward(self, x):                                                # (B, T, h) or (B, T/t, h) with SP
         q, k, v = (rearrange(y, "b t (nh hd) -> b nh t hd", nh=self.n_head)
                    for y in column_parallel(x, [self.q, self.k, self.v], self.tp))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(rearrange(y, "b nh t hd -> b t (nh hd)"))     # like the input
+        return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))  # like the input
+
+    core = CausalSelfAttention.core  # the single-device attention, on this rank's heads
 
 
 class VocabParallelEmbedding(nn.Module):
