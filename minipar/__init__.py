@@ -11,5 +11,6 @@ from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
 from minipar.train import TrainResult, train
 
-__all__ = ["comm", "demos", "pipeline", "tensor_parallel", "GPT", "GPTConfig", "Mesh", "ParallelConfig", "TrainResult", "WorkerError",
+__all__ = ["comm", "demos", "pipeline", "tensor_parallel",
+           "GPT", "GPTConfig", "Mesh", "ParallelConfig", "TrainResult", "WorkerError",
            "WorkerTimeout", "launch", "train"]
