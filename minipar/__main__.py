@@ -38,6 +38,9 @@ def train_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data", default="shakespeare", choices=SOURCES)
     t.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    t.add_argument("--save", help="checkpoint path, written at the end (and every --save-every steps)")
+    t.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    t.add_argument("--resume", help="checkpoint to continue from, in any layout (--steps counts from the start)")
     t.add_argument("--plot", default="out/loss.png", help="where to save the loss curve ('' for none)")
     t.add_argument("--sample", type=int, default=300, help="characters of text to generate at the end (0: none)")
     return p
@@ -57,7 +60,8 @@ def run_train(args) -> None:
         print(f"model {args.model}: {cfg.num_params:,} parameters | layout: {par.label}")
     res = train(cfg, par, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
                 weight_decay=args.weight_decay, seed=args.seed, data=args.data, backend=args.backend,
-                return_state=args.sample > 0, progress=leader)
+                return_state=args.sample > 0, progress=leader, save=args.save, save_every=args.save_every,
+                resume=args.resume)
     if not leader:
         return
     print(res.summary())

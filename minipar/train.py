@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from minipar import comm, memory
+from minipar import checkpoint, comm, memory
 from minipar import data as dataset
 from minipar.config import ParallelConfig
 from minipar.data_parallel import DataParallel
@@ -64,8 +64,13 @@ class TrainResult:
 def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10, global_batch: int = 8,
           lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
           backend: str = "auto", return_state: bool = False, progress: bool = False,
-          timeout: float = 600.0) -> TrainResult:
-    """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first."""
+          timeout: float = 600.0, save: str | None = None, save_every: int = 0,
+          resume: str | None = None) -> TrainResult:
+    """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first.
+
+    steps counts from the start of training: resuming a checkpoint of k steps runs steps - k more.
+    save: a checkpoint path, written every `save_every` steps (0: at the end only) and at the end;
+    resume: a checkpoint to continue from, in any layout (see checkpoint.py)."""
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
     _check_implemented(par)
@@ -74,8 +79,16 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     if data not in dataset.SOURCES:
         raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
     pick_backend(backend, par.world)  # a world larger than the devices fails here, before any process
+    done = checkpoint.load(resume, cfg)["steps_done"] if resume else 0  # a wrong file fails here too
+    if (save or resume) and par.zero:
+        raise NotImplementedError("checkpoints with ZeRO are not implemented yet: use zero=0")
+    if done >= steps:
+        raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} steps")
+    if not isinstance(save_every, int) or save_every < 0:
+        raise ValueError(f"save_every must be a non-negative integer, got {save_every!r}")
     args = (cfg, par, steps, global_batch, lr, weight_decay, seed, data, return_state)
-    bar = ProgressBar(steps, show=progress)
+    args += (dict(save=save, every=save_every or steps, resume=resume),)
+    bar = ProgressBar(steps - done, show=progress)
     try:
         if par.world == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
             device = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
@@ -122,7 +135,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state,
+def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state, checkpoints=None,
                report=None, device: str | None = None) -> dict:
     """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights.
 
@@ -133,6 +146,10 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     mesh = Mesh.build(par.dp, par.tp, par.pp)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the same one
+    checkpoints = checkpoints or dict(save=None, every=steps, resume=None)
+    resumed = checkpoint.load(checkpoints["resume"], cfg) if checkpoints["resume"] else None
+    if resumed:
+        model.load_state_dict(resumed["model"])
     tp, loss_fn = None, cross_entropy
     if par.tp > 1:
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives)
@@ -164,11 +181,12 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                  cfg.d_model)
         pipe = PipelineExecutor(chunks, schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages),
                                 shape, mesh.pp_group, loss_fn=loss_fn)
+    first = checkpoint.restore(resumed, model, optimizer, mp, tp) if resumed else 0
     meter = memory.ActivationMeter()
     losses, step_times, mem, timeline = [], [], {}, []
     report = report if mesh.rank == 0 else None
     with comm.count() as sent:
-        for step in range(steps):
+        for step in range(first, steps):
             start = time.perf_counter()
             x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
             if pipe:  # every micro-batch's forward and backward, in the schedule's order
@@ -187,7 +205,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             optimizer.step() if par.zero else mp.step(optimizer, reduce)
             if par.dp > 1:
                 loss_sum = _sum_over(loss_sum, mesh.dp_group) / par.dp
-            if step == 0:  # grads still held, optimizer state just allocated
+            if step == first:  # grads still held, optimizer state just allocated
                 mem = _measure(model, optimizer, dp, mp)
             optimizer.zero_grad()
             if device.startswith("cuda"):
@@ -196,6 +214,10 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             losses.append(loss_sum)
             if report:
                 report(loss_sum, global_batch * cfg.seq_len / step_times[-1])
+            if checkpoints["save"] and ((step + 1) % checkpoints["every"] == 0 or step + 1 == steps):
+                state = checkpoint.gather(model, optimizer, mp, tp, mesh.pp_group, step + 1, cfg)
+                if state:  # rank 0
+                    checkpoint.save(state, checkpoints["save"])
     mem["activations"] = meter.peak
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
         mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)

@@ -1,0 +1,112 @@
+"""Checkpoints that any layout can resume: one file in the single-device form, written atomically.
+
+A checkpoint holds what the single-process run would hold: the full fp32 weights under the GPT's
+names, AdamW's two moments and step count for each of them, the number of steps done (the data
+position: batches are a function of the step) and the model's configuration. Saving gathers the
+pieces (tensor-parallel blocks along their cut, pipeline stages' layers) to rank 0, which writes;
+resuming loads the full weights before the layout cuts the model, then cuts the moments the same way.
+So a run saved at dp2 tp2 pp2 resumes at tp4 or on one process and continues the same training.
+
+Writes are atomic: the file is written beside the target, flushed to disk, then renamed over it
+(`os.replace`), so a crash during a save leaves the previous checkpoint whole. Loading uses
+`torch.load(weights_only=True)` (no code runs from the file) and checks the model before use.
+
+Cost: the file is 4 P (weights) + 8 P (moments) bytes for P parameters; saving sends each rank's
+share to rank 0 once, loading reads the whole file on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+FORMAT = 1
+
+
+def _shard_of(full: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
+    """The part of a full tensor that `param` holds: its tensor-parallel block, or all of it."""
+    if tp is not None and hasattr(param, "tp_dim"):
+        return full.tensor_split(tp.size, param.tp_dim)[tp.rank]
+    return full
+
+
+def _gather_tp(tensor: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
+    """The full tensor from every tensor-parallel rank's block (a collective on the tp group)."""
+    if tp is None or not hasattr(param, "tp_dim"):
+        return tensor.detach().cpu().clone()
+    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
+    return torch.cat(parts, param.tp_dim).cpu()
+
+
+def _sources(model, mp):
+    """(name, model parameter, the fp32 tensor the optimizer steps: the master or the parameter itself)."""
+    masters = list(mp.master) if mp is not None and mp.master is not None else None
+    for i, (name, p) in enumerate(model.named_parameters()):
+        yield name, p, masters[i] if masters else p
+
+
+def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | None:
+    """Every rank calls it; rank 0 (of the world) gets the whole checkpoint, the others None."""
+    weights, moments = {}, {}
+    for name, p, source in _sources(model, mp):
+        weights[name] = _gather_tp(source.float(), p, tp)
+        state = optimizer.state.get(source, {})
+        if state:
+            moments[name] = {k: _gather_tp(state[k], p, tp) for k in ("exp_avg", "exp_avg_sq")}
+            moments[name]["step"] = float(state["step"])
+    share = (weights, moments)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # each stage holds some layers
+        shares = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(shares, share, group=pp_group)
+        share = ({k: v for w, _ in shares for k, v in w.items()}, {k: v for _, m in shares for k, v in m.items()})
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return dict(format=FORMAT, model=share[0], optimizer=share[1], steps_done=steps_done,
+                config=dataclasses.asdict(cfg))
+
+
+def save(checkpoint: dict, path: str) -> None:
+    """Write atomically: to a temporary file beside `path`, flushed, then renamed over it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load(path: str, cfg) -> dict:
+    """Read a checkpoint for model `cfg`; ValueError if it is not one, or of another model."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"no checkpoint at {path!r}") from None
+    except Exception as e:  # an unpickling error, a truncated file...
+        raise ValueError(f"{path!r} is not a readable minipar checkpoint: {e}") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not a minipar checkpoint (format {FORMAT})")
+    if checkpoint["config"] != dataclasses.asdict(cfg):
+        differ = {k: (v, checkpoint["config"].get(k)) for k, v in dataclasses.asdict(cfg).items()
+                  if checkpoint["config"].get(k) != v}
+        raise ValueError(f"{path!r} holds another model: (this run, checkpoint) differ in {differ}")
+    return checkpoint
+
+
+def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
+    """Fill this rank's optimizer state from the checkpoint's full moments, cut as the rank's
+    parameters are; returns the steps done. (The weights were loaded into the full model already.)"""
+    for name, p, source in _sources(model, mp):
+        saved = checkpoint["optimizer"].get(name)
+        if saved:
+            optimizer.state[source] = {
+                "step": torch.tensor(saved["step"], dtype=torch.float32),
+                **{k: _shard_of(saved[k], p, tp).to(source.device, source.dtype).clone()
+                   for k in ("exp_avg", "exp_avg_sq")}}
+    return checkpoint["steps_done"]

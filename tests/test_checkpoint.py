@@ -1,0 +1,92 @@
+"""Checkpoints (checkpoint.py): resume in the same or another layout continues the same training;
+a save killed half-way leaves the previous checkpoint whole; a wrong file is refused up front."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import minipar
+from minipar import checkpoint
+from minipar.config import ParallelConfig
+from reference import assert_same_training
+
+TINY = minipar.GPTConfig.preset("tiny")
+KW = dict(global_batch=8, lr=1e-3, weight_decay=0.1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return minipar.train(TINY, ParallelConfig(), steps=4, return_state=True, **KW)
+
+
+@pytest.fixture(scope="module")
+def saved_3d(tmp_path_factory):
+    """Two steps at dp2 tp2 pp2 (8 ranks), saved."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "3d.pt")
+    run = minipar.train(TINY, ParallelConfig(dp=2, tp=2, pp=2, microbatches=2), steps=2, save=path, **KW)
+    return path, run
+
+
+def test_resume_in_the_same_layout_repeats_the_run_exactly(tmp_path, uninterrupted):
+    path = str(tmp_path / "one.pt")
+    first = minipar.train(TINY, ParallelConfig(), steps=2, save=path, **KW)
+    rest = minipar.train(TINY, ParallelConfig(), steps=4, resume=path, return_state=True, **KW)
+    assert first.losses + rest.losses == uninterrupted.losses  # bit for bit
+    assert all((rest.state_dict[k] == v).all() for k, v in uninterrupted.state_dict.items())
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(tp=4, pp=2, microbatches=2), ParallelConfig(),
+                                 ParallelConfig(dp=2, pp=2, microbatches=2, schedule="gpipe")],
+                         ids=lambda p: p.label)
+def test_resume_in_another_layout_continues_the_same_training(par, saved_3d, uninterrupted):
+    path, first = saved_3d
+    assert first.losses == pytest.approx(uninterrupted.losses[:2], rel=1e-5)
+    rest = minipar.train(TINY, par, steps=4, resume=path, return_state=True, **KW)
+    expected = minipar.TrainResult(**{**uninterrupted.__dict__, "losses": uninterrupted.losses[2:]})
+    assert_same_training(rest, expected)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "c.pt")
+    writer = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "checkpoint_writer.py"), path],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "saved"
+        deadline = time.monotonic() + 60
+        while not any(os.path.getsize(t) > 0 for t in glob.glob(path + ".tmp-*")):  # the big save has begun
+            assert writer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.001)
+        writer.send_signal(signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert glob.glob(path + ".tmp-*")  # the half-written file is left, beside the checkpoint
+    assert checkpoint.load(path, TINY)["steps_done"] == 7  # the previous one, whole
+
+
+def test_wrong_files_are_refused_before_any_process(tmp_path, saved_3d):
+    path, _ = saved_3d
+    with pytest.raises(ValueError, match=r"holds another model: .* \{'n_layer': \(6, 4\)\}"):
+        minipar.train(TINY.replace(n_layer=6), ParallelConfig(dp=2), steps=3, resume=path, **KW)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not a readable minipar checkpoint"):
+        minipar.train(TINY, ParallelConfig(dp=2), steps=3, resume=str(garbage), **KW)
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        minipar.train(TINY, ParallelConfig(dp=2), steps=3, resume=str(tmp_path / "missing.pt"), **KW)
+    with pytest.raises(ValueError, match="has 2 steps done already"):
+        minipar.train(TINY, ParallelConfig(), steps=2, resume=path, **KW)
+
+
+def test_save_and_resume_from_the_cli(tmp_path, capsys):
+    from minipar.__main__ import main
+    path = str(tmp_path / "cli.pt")
+    common = ["--steps", "2", "--global-batch", "4", "--plot", "", "--sample", "0", "--data", "synthetic"]
+    main(["train", "--tp", "2", "--save", path, *common])
+    main(["train", "--pp", "2", "--microbatches", "2", "--resume", path, *common[:1], "3", *common[2:]])
+    out, _ = capsys.readouterr()
+    assert "in 1 steps" in out
