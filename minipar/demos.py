@@ -306,3 +306,70 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar
             "unit_bytes": [u.mine.params.numel() * world * u.mine.params.element_size() for u in zero.units],
             "events": events, "waits": waits, "peak": zero.peak_gathered_bytes,
             "phases": [("forward", t0, t1), ("backward", t1, t2), ("step", t2, time.perf_counter())]}
+
+
+# ----------------------------------------------------------------------------- lesson 04
+
+
+def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
+    """The MLP, fc column-parallel and proj row-parallel over this world, on one input, with and without SP.
+
+    Every rank builds the single-device MLP and the same input x and upstream gradient dy from `seed`
+    (the reference, computed locally), cuts its blocks, and runs forward and backward, each pass inside
+    its own `comm.count()`. Returns {"partial": Z_r = GeLU(x A_r) B_r, this rank's part before g (no
+    bias), "partial_grad": dx through this rank's blocks alone, before f's all-reduce, "bias": B's bias,
+    added once after g, and for sp in (False, True) {"out", "grad": what the parallel layers give,
+    "ref", "ref_grad": the single-device ones (with SP: this rank's tokens of each), "forward",
+    "backward": {collective: calls}, "forward_bytes", "backward_bytes": {collective: bytes sent}}}.
+    """
+    import torch.nn.functional as F
+
+    from minipar.model import MLP
+    from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+    torch.set_num_threads(1)
+    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    torch.manual_seed(seed)
+    full, x = MLP(cfg), torch.randn(batch, cfg.seq_len, cfg.d_model)
+    dy = torch.randn_like(x)
+    xf = x.clone().requires_grad_()
+    (ref := full(xf)).backward(dy)
+    tp = TPGroup.of(None)
+    fc, proj = ColumnParallelLinear(full.fc, tp), RowParallelLinear(full.proj, tp)
+    xp = x.clone().requires_grad_()  # this rank's blocks alone, no f and no g: what each rank adds
+    partial = F.linear(F.gelu(F.linear(xp, fc.weight, fc.bias), approximate="tanh"), proj.weight)
+    partial.backward(dy)
+    out = dict(partial=partial.detach(), partial_grad=xp.grad, bias=full.proj.bias.detach())
+    for sp in (False, True):
+        tp = TPGroup.of(None, sp)
+        seq = (lambda a: a.tensor_split(tp.size, 1)[tp.rank]) if sp else (lambda a: a)  # this rank's tokens
+        fc, proj = ColumnParallelLinear(full.fc, tp), RowParallelLinear(full.proj, tp)
+        xr = seq(x).clone().requires_grad_()
+        with comm.count() as fwd:
+            y = proj(F.gelu(fc(xr), approximate="tanh"))
+        with comm.count() as bwd:
+            y.backward(seq(dy))
+        if not sp:
+            _in_turn(f"Z_r[0, 0, :4] = {[round(v, 4) for v in partial[0, 0, :4].tolist()]}   after g, + bias: "
+                     f"{[round(v, 4) for v in y[0, 0, :4].tolist()]}")
+        out[sp] = dict(out=y.detach(), grad=xr.grad, ref=seq(ref.detach()), ref_grad=seq(xf.grad),
+                       forward=dict(fwd.calls), backward=dict(bwd.calls), forward_bytes=dict(fwd.bytes_sent),
+                       backward_bytes=dict(bwd.bytes_sent))
+    return out
+
+
+# ----------------------------------------------------------------------------- lesson 05
+
+
+def pipeline_runs(cfg, runs: list, steps: int = 1) -> list[dict]:
+    """Train `cfg` under each (ParallelConfig, global_batch) of `runs` (all of this world's pp) in this one job,
+    with what `minipar.train` runs on every rank (`train_rank`): one launch for many layouts, as `zero_memory`.
+
+    Returns, per run, this rank's {"activations": peak bytes saved for backward, "timeline": the last step's
+    [(Action, start, end)] in perf_counter seconds, "losses": the global loss of each step}.
+    """
+    from minipar.train import train_rank
+    out = []
+    for par, global_batch in runs:
+        r = train_rank(cfg, par, steps, global_batch, 1e-3, 0.0, 0, "synthetic", False)
+        out.append({"activations": r["memory"]["activations"], "timeline": r["timeline"], "losses": r["losses"]})
+    return out
