@@ -63,6 +63,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1: it cuts what tensor "
                              "parallelism replicates")
+        if self.sequence_parallel and self.zero == 3:
+            raise ValueError("ParallelConfig.zero=3 does not combine with sequence_parallel: ZeRO-3 reduce-"
+                             "scatters each unit's gradients during backward, before the partial gradients of "
+                             "the sequence-sharded LayerNorms are summed over the TP group; use zero <= 2")
         if not isinstance(self.reduce_fp32, bool):
             raise ValueError(f"ParallelConfig.reduce_fp32 must be True or False, got {self.reduce_fp32!r}")
         if not self.reduce_fp32 and self.precision not in ("bf16", "fp16"):

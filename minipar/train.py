@@ -24,17 +24,13 @@ import torch.distributed as dist
 from minipar import checkpoint, comm, memory
 from minipar import data as dataset
 from minipar.config import ParallelConfig
-from minipar.data_parallel import DataParallel
 from minipar.hardware import peak_flops
 from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
-from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.pipeline import schedule
-from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
-from minipar.precision import DTYPES, MixedPrecision
-from minipar.recompute import apply_recompute
-from minipar.tensor_parallel import TPGroup, apply_tp, full_state_dict, sync_sequence_parallel_grads
-from minipar.tensor_parallel import vocab_parallel_cross_entropy
+from minipar.model import GPT, GPTConfig
+from minipar.parallelize import make_optimizer, parallelize  # noqa: F401  (make_optimizer: public here too)
+from minipar.precision import DTYPES
+from minipar.tensor_parallel import full_state_dict, sync_sequence_parallel_grads
 from minipar.zero import Zero3, ZeroOptimizer
 
 
@@ -73,7 +69,6 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     resume: a checkpoint to continue from, in any layout (see checkpoint.py)."""
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
-    _check_implemented(par)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if data not in dataset.SOURCES:
@@ -116,25 +111,6 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
         state_dict=ranks[0]["state"], predicted_memory=_predicted(cfg, par, global_batch))
 
 
-def _check_implemented(par: ParallelConfig) -> None:
-    """Combinations that are valid but not built yet (see the issues for when they come)."""
-    missing = [(par.zero >= 2 and (par.tp > 1 or par.pp > 1), "ZeRO-2/3 with tp or pp > 1 (use zero 0 or 1)"),
-               (par.zero == 3 and par.recompute != "none", "ZeRO-3 with recomputation"),
-               (par.pp > 1 and par.schedule == "zb-h1" and (par.tp > 1 or par.recompute != "none"),
-                "zb-h1 with tp > 1 or recomputation (its W step runs module by module)")]
-    for needed, what in missing:
-        if needed:
-            raise NotImplementedError(f"{what} is not implemented yet")
-
-
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, LayerNorms), as GPT-2 and nanoGPT do."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-
-
 def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state, checkpoints=None,
                report=None, device: str | None = None) -> dict:
     """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights.
@@ -148,40 +124,9 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the same one
     checkpoints = checkpoints or dict(save=None, every=steps, resume=None)
     resumed = checkpoint.load(checkpoints["resume"], cfg) if checkpoints["resume"] else None
-    if resumed:
-        model.load_state_dict(resumed["model"])
-    tp, loss_fn = None, cross_entropy
-    if par.tp > 1:
-        tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives)
-        model = apply_tp(model, tp)
-        loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)  # noqa: E731
-    if par.pp > 1:  # this rank keeps its chunks of the (tensor-parallel) layers and frees the rest
-        chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages)
-        free_unused(model, chunks.values())
-    apply_recompute(model, par.recompute)
-    reduce, masters = None, None  # what reduces the gradients inside mp.step (mixed precision, dp > 1)
-    if par.zero:  # ZeRO shards the fp32 weights into 16-bit parameters and fp32 masters itself
-        mixed = par.precision in ("bf16", "fp16")
-        shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision], master=mixed)
-        optimizer = Zero3(model, mesh.dp_group, lr, weight_decay, **shard) if par.zero == 3 else \
-            ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard)
-        mp, dp = MixedPrecision(model, par.precision, masters=False), None  # autocast and loss scale only
-        optimizer.scaler = mp.scaler
-    else:
-        mp = MixedPrecision(model, par.precision)  # before DataParallel captures the parameters' dtype
-        optimizer, dp = make_optimizer(mp.optimized, lr, weight_decay), None
-        if par.dp > 1 and (mp.master is None or not par.reduce_fp32):  # the model's own gradients
-            dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives)
-        elif par.dp > 1:  # mixed precision: the fp32 master gradients, an all-reduce per tensor (naive)
-            masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)
-            reduce = lambda grads: masters.finish()  # noqa: E731
-    pipe = None
-    if par.pp > 1:  # after MixedPrecision: what travels between stages has the model's dtype
-        shape = (global_batch // (par.dp * par.microbatches), cfg.seq_len // (par.tp if par.sequence_parallel else 1),
-                 cfg.d_model)
-        pipe = PipelineExecutor(chunks, schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages),
-                                shape, mesh.pp_group, loss_fn=loss_fn)
-    first = checkpoint.restore(resumed, model, optimizer, mp, tp) if resumed else 0
+    run = parallelize(model, par, mesh, global_batch, lr, weight_decay, resumed)
+    model, optimizer, mp, dp, tp, pipe = run.model, run.optimizer, run.mp, run.dp, run.tp, run.pipe
+    first = resumed["steps_done"] if resumed else 0
     meter = memory.ActivationMeter()
     losses, step_times, mem, timeline = [], [], {}, []
     report = report if mesh.rank == 0 else None
@@ -196,13 +141,13 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
                     loss_sum, timeline = pipe.step(*rows, loss_scale=mp.scaler.scale if mp.scaler else 1.0)
                 loss_sum = _sum_over(loss_sum, mesh.pp_group)  # the last stage has it, the others 0
             else:
-                loss_sum = _accumulate(model, x, y, par, mesh, device, mp, dp, meter, loss_fn)
+                loss_sum = _accumulate(model, x, y, par, mesh, device, mp, dp, meter, run.loss_fn)
             if dp:
                 dp.finish()
             if tp and tp.sequence_parallel:  # after DP's reduction, which writes the gradients back
                 sync_sequence_parallel_grads(model, tp)
             # the step before any other collective: ZeRO-3 may still be reducing gradients
-            optimizer.step() if par.zero else mp.step(optimizer, reduce)
+            optimizer.step() if par.zero else mp.step(optimizer, run.reduce)
             if par.dp > 1:
                 loss_sum = _sum_over(loss_sum, mesh.dp_group) / par.dp
             if step == first:  # grads still held, optimizer state just allocated
@@ -222,13 +167,9 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
         mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
     timeline = timeline or (dp.timeline if dp else [])
-    if par.zero == 3:
-        if return_state:
-            optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
-        optimizer.close()
-    for sync in (dp, masters):
-        if sync:
-            sync.close()
+    if par.zero == 3 and return_state:
+        optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
+    run.close()
     state = None
     if return_state:  # the single-device weights; with tp > 1 every rank of the group takes part
         state = full_state_dict(model, tp) if tp else \

@@ -185,8 +185,9 @@ class PipelineExecutor:
             src, dst = _ends(key, self.p)
             if src != dst and self.rank in (src, dst):
                 self.queues[dst if src == self.rank else src].append((key, src == self.rank))
-        # modules that own parameters: in split mode W runs their weight gradients one by one
-        self.owners = {k: [m for m in c.modules() if any(True for _ in m.parameters(recurse=False))]
+        # modules holding parameters, deepest first: in split mode W runs their weight gradients one by one
+        self.owners = {k: sorted((m for m in c.modules() if any(True for _ in m.parameters())),
+                                 key=lambda m, c=c: -max(n.count(".") + 1 for n, x in c.named_modules() if x is m))
                        for k, c in self.chunks.items()}
         self.peak_in_flight = 0
 
@@ -245,7 +246,7 @@ class PipelineExecutor:
             out = loss * self._scale if self._scale != 1.0 else loss
         else:
             self._send(("F", c, j), out)
-        self._saved[(c, j)] = (x, out, captured)
+        self._saved[(c, j)] = (x, out, self._assign(c, captured))
         self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
         return start
 
@@ -254,7 +255,7 @@ class PipelineExecutor:
         start = time.perf_counter()
         x, out, captured = self._saved.pop((c, j))
         if self.split:  # input gradient only; keep the graph and each weight-owning module's output grad
-            wanted = ([x] if c > 0 else []) + [y for _, y in captured]
+            wanted = ([x] if c > 0 else []) + [y for _, y, _ in captured]
             grads = torch.autograd.grad(out, wanted, dy, retain_graph=True, allow_unused=True)
             dx, self._saved[(c, j)] = (grads[0] if c > 0 else None), (captured, grads[1 if c > 0 else 0:])
         else:
@@ -264,10 +265,22 @@ class PipelineExecutor:
             self._send(("B", c, j), dx)
         return start
 
+    def _assign(self, c: int, captured: list) -> list:
+        """[(module, output, params)]: each parameter to the deepest module that ran on it. A module the
+        forward does not call (tensor parallelism's q, k, v, used through their weights) leaves its
+        parameters to the one that did (the attention)."""
+        outputs, taken, owned = dict((id(m), y) for m, y in captured), set(), []
+        for m in self.owners[c]:
+            params = [p for p in m.parameters() if p.requires_grad and id(p) not in taken] if id(m) in outputs else []
+            taken.update(id(p) for p in params)
+            if params:
+                owned.append((m, outputs[id(m)], params))
+        return owned
+
     def _weight(self, c: int, j: int) -> float:
         """W: each weight-owning module's parameter gradients from its output gradient, saved by B.
 
-        One backward per module, from its output to its own parameters only (a single backward from all
+        One backward per module, from its output to the parameters `_assign` gave it (a single backward from all
         outputs would also flow through later modules into earlier ones and count gradients twice). The
         work is the weight-gradient GEMMs alone; the price is memory: from B to W a micro-batch keeps its
         whole autograd graph (its saved activations, as between F and B) plus one output gradient per
@@ -275,10 +288,11 @@ class PipelineExecutor:
         """
         start = time.perf_counter()
         captured, grads = self._saved.pop((c, j))
-        for (module, y), dy in zip(captured, grads):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if dy is not None and params:
-                torch.autograd.backward(y, dy, inputs=params)  # accumulates into .grad, hooks fire
+        for (_, y, params), dy in zip(captured, grads):
+            if dy is not None:
+                # kept: paths may share nodes (the attention's to q, k, v passes the projection's);
+                # the graph goes when this micro-batch's outputs do, at the end of this call
+                torch.autograd.backward(y, dy, inputs=params, retain_graph=True)  # into .grad, hooks fire
         return start
 
     def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> tuple[float, list]:
