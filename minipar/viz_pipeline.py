@@ -1,0 +1,56 @@
+"""Plots for the pipeline lesson (05): each function takes plain data and returns a matplotlib Figure.
+
+    gantts(timelines)          several `pipeline.Timeline`s as Gantt charts (`viz.gantt`), one panel each,
+                               stacked on one time axis: schedules side by side, or measured over simulated
+    against_m(ms, points)      a quantity against the number of micro-batches m, one colour per series:
+                               markers for what was simulated or measured, dashed lines for the formulas
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from minipar.viz import gantt
+
+COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def gantts(timelines: dict, title: str | None = None, sharex: bool = True) -> Figure:
+    """{panel title: Timeline} drawn one under the other. sharex: one time scale for all (to compare
+    lengths: the same costs, or measured against simulated), else each panel fills its width."""
+    n = len(timelines)
+    rows = [0.8 + 0.45 * tl.ranks for tl in timelines.values()]
+    fig, axes = plt.subplots(n, 1, figsize=(10, 0.6 * n + sum(rows)), sharex=sharex, squeeze=False,
+                             height_ratios=rows, layout="constrained")
+    for ax, (name, tl) in zip(axes[:, 0], timelines.items()):
+        gantt(tl, ax=ax, title=f"{name}: bubble {tl.bubble:.1%}, peak in flight {max(tl.peak_in_flight)}")
+        if sharex:
+            ax.set_xlim(0, max(t.makespan for t in timelines.values()) or 1)
+        if ax is not axes[-1, 0]:
+            ax.set_xlabel("")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def against_m(ms: list[int], points: dict[str, list[float]], lines: dict[str, list[float]] | None = None,
+              ylabel: str = "", title: str = "", ax=None, lines_label: str = "dashed: the formula") -> Figure:
+    """points[name][i] (markers) and lines[name][i] (dashed, in the same colour) at m = ms[i]. Each series'
+    markers are smaller than the one before, so that series falling on the same values all stay visible."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.6), layout="constrained")
+    names = list(dict.fromkeys([*points, *(lines or {})]))
+    for i, name in enumerate(names):
+        colour = COLOURS[i % len(COLOURS)]
+        if lines and name in lines:
+            ax.plot(ms, lines[name], ls="--", lw=1.2, color=colour, label=None if name in points else name)
+        if name in points:
+            ax.plot(ms, points[name], "o", ms=max(9 - 1.8 * i, 3), color=colour, label=name)
+    if lines and any(name in points for name in lines):
+        ax.plot([], [], ls="--", color="grey", label=lines_label)
+    ax.set(xlabel="micro-batches m", ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(ms)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax.figure
