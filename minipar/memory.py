@@ -54,15 +54,19 @@ class ActivationMeter:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()), is not an activation
-        if base.is_leaf and base.requires_grad:
+        if isinstance(base, torch.nn.Parameter):  # (a pipeline stage's input is a leaf, and an activation)
             return t
         if ptr not in self.live:
             self.live[ptr] = [0, storage.nbytes()]
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
         self.live[ptr][0] += 1
-        weakref.finalize(t, self._dropped, ptr, self.generation)
-        return t
+        # autograd keeps what we return; a detached alias (same storage) holds no reference to the node
+        # saving it, where `t` itself, saved as its own node's output, would make a cycle that a
+        # retained graph (a pipeline's split backward) never frees
+        saved = t.detach()
+        weakref.finalize(saved, self._dropped, ptr, self.generation)
+        return saved
 
     def _dropped(self, ptr: int, generation: int) -> None:
         if generation != self.generation or ptr not in self.live:
@@ -209,10 +213,11 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
             "tokens": tokens + 8 * s}
 
 
-def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *, rank: int = 0
-            ) -> dict[str, int]:
-    """Predicted peak memory of DP rank `rank` (default 0, the fullest), {category: bytes}, as
-    `train(...).peak_memory` measures it. Psi = the parameters a rank holds (`tp_params`), N = par.dp,
+def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *, rank: int = 0,
+            pp_rank: int = 0) -> dict[str, int]:
+    """Predicted peak memory of DP rank `rank` (default 0, the fullest) of pipeline stage `pp_rank`,
+    {category: bytes}, as `train(...).peak_memory` measures it. Psi = the parameters a rank holds
+    (`tp_params`, or `stage_params` with pp > 1), N = par.dp,
     bytes per parameter (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8)
     fp32, (2, 2, 12) mixed.
 
@@ -220,7 +225,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
       grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
       optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
       activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches), e = 4 in fp32 and
-                 2 in 16-bit (a model held in 16 bits, as precision.MixedPrecision makes it)
+                 2 in 16-bit (a model held in 16 bits, as precision.MixedPrecision makes it); with
+                 pp > 1 the schedule's peak over the micro-batches in flight (`stage_activations`)
       comm       stage 0: the buckets, g Psi (bucketed, dp > 1) | 1: the reduce-scatter's output,
                  g Psi_pad/N | 2: 0 (that output is the gradient shard) | 3: the gathered units, at
                  most two adjacent ones at a time, p (full_i + full_{i+1}) at the largest pair
@@ -231,11 +237,11 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     gradients, which zero.py keeps from backward to the step (a production ZeRO-2 reduce-scatters
     them bucket by bucket during backward instead).
     """
-    if par.pp > 1 or (par.tp > 1 and par.zero == 3):
-        raise NotImplementedError("predict covers dp x tp x ZeRO layouts (pp = 1, no ZeRO-3 with tp)")
+    if par.zero == 3 and (par.tp > 1 or par.pp > 1):
+        raise NotImplementedError("predict covers ZeRO-3 with dp alone")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision)
-    n, stage, psi = par.dp, par.zero, tp_params(cfg, par.tp)
+    n, stage, psi = par.dp, par.zero, stage_params(cfg, par, pp_rank)
     sizes = [size for _, size in units(cfg)] if stage == 3 else [psi]
     shards = [_shard(size, n, rank) for size in sizes]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
@@ -254,9 +260,53 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
             "grads": per["grads"] * (psi if stage < 2 else shard),
             "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
-            "activations": sum(activations(cfg, b, 4 if par.precision == "fp32" else 2, par.tp,
-                                           par.sequence_parallel, par.recompute).values()),
+            "activations": stage_activations(cfg, par, b, 4 if par.precision == "fp32" else 2, pp_rank),
             "comm": comm}
+
+
+def stage_params(cfg, par, pp_rank: int = 0) -> int:
+    """Parameters of one rank of pipeline stage `pp_rank`: the layers of its chunks (chunk k of
+    pp * virtual_stages on rank k % pp, layers cut as pipeline.runtime.partition cuts them), the
+    embeddings on the first chunk, ln_f and the head on the last; each cut by tp (`tp_params`)."""
+    from minipar.pipeline.runtime import partition
+    if par.pp == 1:
+        return tp_params(cfg, par.tp)
+    h, V, s, t, chunks = cfg.d_model, cfg.vocab_size, cfg.seq_len, par.tp, par.pp * par.virtual_stages
+    layers = partition(cfg.n_layer, chunks)
+    mine = range(pp_rank, chunks, par.pp)
+    return (sum(len(layers[k]) for k in mine) * ((12 * h * h + 6 * h) // t + 6 * h)
+            + (V * h // t + s * h) * (0 in mine) + (2 * h + (V * h + V) // t) * (chunks - 1 in mine))
+
+
+def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: int = 0) -> int:
+    """Peak bytes saved for backward on a rank of stage `pp_rank`. One process: `activations`. A
+    pipeline: walk the rank's actions in the schedule's order; each F adds its chunk's activations of
+    one micro-batch (its layers; the ids and positions on the first chunk, ln_f, the loss and the
+    targets on the last), which stay until that micro-batch's backward (its W, if the schedule splits
+    backward: B keeps the graph for W). The peak is the schedule's memory, in bytes."""
+    from minipar.pipeline import schedule
+    parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp, par.sequence_parallel,
+                        par.recompute)
+    if par.pp == 1:
+        return parts["layers"] * cfg.n_layer + parts["head"] + parts["tokens"]
+    from minipar.pipeline.runtime import partition
+    chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
+    layers = partition(cfg.n_layer, chunks)
+    ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)  # targets: in "head"
+    # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes the
+    # head's output gradient in place, which W still holds)
+    loss = 4 * sb * cfg.vocab_size + 4 + targets if t == 1 else 9 * sb
+    held = [len(layers[k]) * parts["layers"] + (ids + 8 * cfg.seq_len) * (k == 0)
+            + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
+    actions = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)[pp_rank]
+    split = any(a.op == "W" for a in actions)  # then B frees only the loss's part (after the last module)
+    freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
+             "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
+    current = peak = 0
+    for a in actions:
+        current += held[a.stage] if a.op == "F" else -freed[a.op][a.stage]
+        peak = max(peak, current)
+    return peak
 
 
 def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:

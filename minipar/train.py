@@ -183,10 +183,10 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
 
 
 def _predicted(cfg, par, global_batch) -> list[dict] | None:
-    """memory.predict for every rank, where the model covers the layout (dp x tp x ZeRO so far)."""
+    """memory.predict for every rank, where the model covers the layout (all but ZeRO-3 with tp or pp)."""
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     try:  # ZeRO's shard is the rank's place in its DP group
-        return [memory.predict(cfg, par, global_batch, rank=c.dp_rank) for c in grid]
+        return [memory.predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]
     except NotImplementedError:
         return None
 

@@ -87,7 +87,7 @@ def test_model_states_by_the_zero_formulas():
     assert (mixed["params"], mixed["grads"], mixed["optimizer"]) == \
            (fp["params"] // 2, fp["grads"] // 2, fp["optimizer"] * 3 // 2)
     with pytest.raises(NotImplementedError):
-        memory.predict(ODD, ParallelConfig(pp=2), BATCH)
+        memory.predict(ODD, ParallelConfig(pp=2, zero=3), BATCH)
 
 
 PAPER = {  # ZeRO paper Table I, 7.5B parameters, K = 12: GB per device for stages 1, 2, 3

@@ -41,13 +41,16 @@ def test_every_schedule_equals_the_single_process_run(par, reference):
     total = sum(r.get("p2p", 0) for r in res.comm_bytes) / (par.dp * par.tp)
     assert total == STEPS * 2 * boundaries * par.microbatches * b * s * h * 4
     assert {len(t) for t in res.timelines} == {2 * par.microbatches * par.virtual_stages * (1 + (par.schedule == "zb-h1") / 2)}
+    for predicted, measured in zip(res.predicted_memory, res.peak_memory):  # each stage's share, the
+        extra = measured.pop("optimizer") - predicted.pop("optimizer")    # schedule's activation peak
+        assert predicted == measured and 0 <= extra <= 8 * len(res.state_dict)  # + Adam's step counters
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():
-    """GPipe keeps all m micro-batches' activations on stage 0, 1F1B at most p of them."""
+    """GPipe keeps all m micro-batches' activations on stage 0, 1F1B at most p of them; ZB-H1 as 1F1B."""
     peak = {s: minipar.train(CFG, ParallelConfig(pp=2, microbatches=6, schedule=s), steps=1,
-                             global_batch=12).peak_memory[0]["activations"] for s in ("gpipe", "1f1b")}
-    assert peak["1f1b"] < 0.5 * peak["gpipe"]
+                             global_batch=12).peak_memory[0]["activations"] for s in ("gpipe", "1f1b", "zb-h1")}
+    assert peak["1f1b"] < 0.5 * peak["gpipe"] and peak["zb-h1"] == peak["1f1b"]
 
 
 def test_layouts_that_cannot_run_fail_before_any_process():
