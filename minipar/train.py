@@ -130,9 +130,10 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     meter = memory.ActivationMeter()
     losses, step_times, mem, timeline = [], [], {}, []
     report = report if mesh.rank == 0 else None
+    clock = _Clock(device)
     with comm.count() as sent:
         for step in range(first, steps):
-            start = time.perf_counter()
+            clock.start()
             x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
             if pipe:  # every micro-batch's forward and backward, in the schedule's order
                 rows = [[dataset.shard(t, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
@@ -153,9 +154,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             if step == first:  # grads still held, optimizer state just allocated
                 mem = _measure(model, optimizer, dp, mp)
             optimizer.zero_grad()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize(device)
-            step_times.append(time.perf_counter() - start)
+            step_times.append(clock.stop())
             losses.append(loss_sum)
             if report:
                 report(loss_sum, global_batch * cfg.seq_len / step_times[-1])
@@ -217,6 +216,29 @@ def _accumulate(model, x, y, par, mesh, device, mp, dp, meter, loss_fn) -> float
             dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
         loss_sum += loss.item()
     return loss_sum
+
+
+class _Clock:
+    """A step's time: CUDA events on a GPU (the device's own clock: what the kernels took, without
+    stalling the host inside the step), time.perf_counter on a CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.begin
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.begin.elapsed_time(end) / 1e3  # milliseconds -> seconds
 
 
 def _sum_over(value: float, group) -> float:
