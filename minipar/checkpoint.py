@@ -51,9 +51,14 @@ def _sources(model, mp):
 def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | None:
     """Every rank calls it; rank 0 (of the world) gets the whole checkpoint, the others None."""
     weights, moments = {}, {}
-    for name, p, source in _sources(model, mp):
-        weights[name] = _gather_tp(source.float(), p, tp)
-        state = optimizer.state.get(source, {})
+    zero = optimizer.full_state() if hasattr(optimizer, "full_state") else None  # ZeRO-1/2: flat shards
+    for i, (name, p, source) in enumerate(_sources(model, mp)):
+        if zero:
+            state = {k: v for k, v in zero[i].items() if k != "weight"} if zero[i]["step"] else {}
+            weights[name] = _gather_tp(zero[i]["weight"], p, tp)
+        else:
+            state = optimizer.state.get(source, {})
+            weights[name] = _gather_tp(source.float(), p, tp)
         if state:
             moments[name] = {k: _gather_tp(state[k], p, tp) for k in ("exp_avg", "exp_avg_sq")}
             moments[name]["step"] = float(state["step"])
@@ -102,11 +107,16 @@ def load(path: str, cfg) -> dict:
 def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
     """Fill this rank's optimizer state from the checkpoint's full moments, cut as the rank's
     parameters are; returns the steps done. (The weights were loaded into the full model already.)"""
+    cut = {}
     for name, p, source in _sources(model, mp):
         saved = checkpoint["optimizer"].get(name)
-        if saved:
-            optimizer.state[source] = {
-                "step": torch.tensor(saved["step"], dtype=torch.float32),
-                **{k: _shard_of(saved[k], p, tp).to(source.device, source.dtype).clone()
-                   for k in ("exp_avg", "exp_avg_sq")}}
+        cut[name] = saved and {"step": saved["step"], **{k: _shard_of(saved[k], p, tp).to(source.device).clone()
+                                                         for k in ("exp_avg", "exp_avg_sq")}}
+    if hasattr(optimizer, "load_moments"):  # ZeRO-1/2: it flattens them into its shards
+        optimizer.load_moments([cut[name] for name, _ in model.named_parameters()])
+        return checkpoint["steps_done"]
+    for name, p, source in _sources(model, mp):
+        if cut[name]:
+            optimizer.state[source] = {"step": torch.tensor(cut[name]["step"], dtype=torch.float32),
+                                       **{k: cut[name][k].to(source.dtype) for k in ("exp_avg", "exp_avg_sq")}}
     return checkpoint["steps_done"]

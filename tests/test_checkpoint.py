@@ -25,9 +25,9 @@ def uninterrupted():
 
 @pytest.fixture(scope="module")
 def saved_3d(tmp_path_factory):
-    """Two steps at dp2 tp2 pp2 (8 ranks), saved."""
+    """Two steps at dp2 tp2 pp2 with ZeRO-1 (8 ranks), saved."""
     path = str(tmp_path_factory.mktemp("ckpt") / "3d.pt")
-    run = minipar.train(TINY, ParallelConfig(dp=2, tp=2, pp=2, microbatches=2), steps=2, save=path, **KW)
+    run = minipar.train(TINY, ParallelConfig(dp=2, tp=2, pp=2, zero=1, microbatches=2), steps=2, save=path, **KW)
     return path, run
 
 
@@ -39,8 +39,18 @@ def test_resume_in_the_same_layout_repeats_the_run_exactly(tmp_path, uninterrupt
     assert all((rest.state_dict[k] == v).all() for k, v in uninterrupted.state_dict.items())
 
 
+def test_zero_in_bf16_resumes_exactly(tmp_path):
+    """ZeRO-1 keeps fp32 masters and moments in flat shards: saved whole, cut again on resume."""
+    par, path = ParallelConfig(dp=2, zero=1, precision="bf16"), str(tmp_path / "zero.pt")
+    whole = minipar.train(TINY, par, steps=4, **KW)
+    first = minipar.train(TINY, par, steps=2, save=path, **KW)
+    rest = minipar.train(TINY, par, steps=4, resume=path, **KW)
+    assert first.losses + rest.losses == whole.losses
+
+
 @pytest.mark.parametrize("par", [ParallelConfig(tp=4, pp=2, microbatches=2), ParallelConfig(),
-                                 ParallelConfig(dp=2, pp=2, microbatches=2, schedule="gpipe")],
+                                 ParallelConfig(dp=2, pp=2, microbatches=2, schedule="gpipe"),
+                                 ParallelConfig(dp=4, zero=2)],
                          ids=lambda p: p.label)
 def test_resume_in_another_layout_continues_the_same_training(par, saved_3d, uninterrupted):
     path, first = saved_3d
