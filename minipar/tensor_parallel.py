@@ -28,8 +28,9 @@ Per rank, t ranks, l layers, h hidden, a heads, V vocabulary, b s tokens per mic
     backward     2 l + 1 all-reduces of b s h e (2 a layer, 1 before the head)
                  each sends 2 (t-1)/t of its size: 8 b s h e (t-1)/t a layer, forward + backward
     loss         2 all-reduces and 1 all-gather of b s fp32 values (sum of exp, target logit; max)
-    with SP      each all-reduce above an all-gather + reduce-scatter pair of the same bytes, plus once
-                 a step an all-reduce of the 6 l h + s h + 2 h partial gradients
+    with SP      each all-reduce above an all-gather + reduce-scatter pair of the same bytes; backward
+                 gathers each column-parallel input again (2 l + 1 more all-gathers: bytes for memory);
+                 once a step an all-reduce of the 6 l h + s h + 2 h partial gradients (`traffic`)
     activations  a layer (Korthikanti Table 2, 16-bit): s b h (10 + 24/t + 5 a s/(h t)); SP: s b h (34/t + 5 a s/(h t))
 """
 from __future__ import annotations
