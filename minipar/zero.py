@@ -194,42 +194,6 @@ class ZeroOptimizer:
             p.grad = None
         self.mine.grads.zero_()
 
-    # ------------------------------------------------------------------------- checkpoints
-
-    def full_state(self) -> list[dict]:
-        """Each parameter's fp32 weight and AdamW state, whole, in `self.params` order (a collective:
-        the shards are gathered with the backend's all-gather, not counted as training traffic)."""
-        shards = {"weight": (self.mine.master if self.mine.master is not None else self.mine.params).float()}
-        for key in ("exp_avg", "exp_avg_sq"):
-            shards[key] = torch.zeros_like(shards["weight"])
-            for piece, a, b in self.mine.pieces:
-                if piece in self.mine.optimizer.state:
-                    shards[key][a:b] = self.mine.optimizer.state[piece][key]
-        step = torch.tensor([max([float(s["step"]) for s in self.mine.optimizer.state.values()] or [0.0])])
-        full = {}
-        for key, shard in shards.items():
-            full[key] = shard.clone()
-            if self.size > 1:
-                full[key] = torch.empty(self.size * shard.numel(), dtype=shard.dtype, device=shard.device)
-                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-                gather(full[key], shard.contiguous(), group=self.group)
-        if self.size > 1:  # a rank whose shard is all padding has no state
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
-        return [{**{k: v[a:b].view(shape) for k, v in full.items()}, "step": step.item()}
-                for shape, (a, b) in zip(self.layout.shapes, self.layout.ranges)]
-
-    def load_moments(self, moments: list[dict | None]) -> None:
-        """Set AdamW's state from each parameter's whole moments (`self.params` order; None: no state)."""
-        if not any(moments):
-            return
-        flat = {k: self.layout.flatten([m[k] if m else None for m in moments], torch.float32)[self.layout.lo:
-                                                                                              self.layout.hi]
-                for k in ("exp_avg", "exp_avg_sq")}
-        step = next(m["step"] for m in moments if m)
-        for piece, a, b in self.mine.pieces:
-            self.mine.optimizer.state[piece] = {"step": torch.tensor(step, dtype=torch.float32),
-                                                **{k: v[a:b].clone().to(piece.dtype) for k, v in flat.items()}}
-
     def state_tensors(self):
         """The optimizer state this rank holds: master shard, moments and step counters of its shard."""
         return self.mine.state_tensors()
