@@ -6,11 +6,13 @@
 """
 from minipar import comm, demos, pipeline, tensor_parallel
 from minipar.config import ParallelConfig
+from minipar.cost import Cluster
 from minipar.launch import WorkerError, WorkerTimeout, launch
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
+from minipar.planner import Estimate, NoFeasiblePlan, estimate, explain, format_table, plan
 from minipar.train import TrainResult, train
 
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel",
-           "GPT", "GPTConfig", "Mesh", "ParallelConfig", "TrainResult", "WorkerError",
-           "WorkerTimeout", "launch", "train"]
+           "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "ParallelConfig", "TrainResult",
+           "WorkerError", "WorkerTimeout", "estimate", "explain", "format_table", "launch", "plan", "train"]

@@ -1,0 +1,360 @@
+"""The cost model: the cluster as a value, and what one GPU spends on its share of a training step.
+
+`planner.py` composes these pieces into a step time and a memory footprint. Per micro-batch of b
+sequences of s tokens, on one GPU of a stage holding its layers split t ways (t = tp), e bytes a
+16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency (fp32 runs as TF32: half the peak):
+
+  matmuls, a layer  F = (24 b s h^2 + 4 b s^2 h) / t FLOPs, backward 2F: the model FLOPs of Korthikanti
+                    et al. 2022 eq. 7, 72 b s l h^2 (1 + s/(6h) + V/(12 l h)) with the head, over 3.
+                    ZB-H1 splits the backward (Qi et al. 2023): B = (24 b s h^2 + 8 b s^2 h)/t, W = 24 b s h^2/t
+  head              F = 2 b s h V / t (the logits, last stage), backward 4 b s h V / t; memory-bound
+                    s b V/t (2e + 4) bytes forward (logits written and read, fp32 log-probabilities)
+  recompute         selective: the attention core's forward again, 4 b s^2 h / t FLOPs; full: the whole
+                    forward of the layer again (matmuls, memory traffic and TP all-reduces)
+  memory-bound      bytes / HBM bandwidth. Per layer forward: LayerNorms and residual adds 10 s b h e
+                    (/t with SP), the GELU 8 s b h e / t; materialised attention (Megatron-LM in 2022,
+                    not minipar's fused SDPA) 13 a s^2 b / t more: the scores written (2), softmaxed (2 + 2),
+                    dropped out (2 + 2 + a 1-byte mask), read by the PV matmul (2). Backward moves twice
+                    the forward's bytes (it reads what was saved and the output gradient, writes the input's)
+  TP                4 all-reduces of X = b s h e a layer (2 in F, 2 in B; SP's all-gather + reduce-scatter
+                    pairs move the same bytes and their re-gather in backward is overlapped, as in Megatron),
+                    + 1 for the embedding (F) and 1 for the head (B). Ring: 2(t-1)/t X/bw + 2(t-1) latency
+  PP                one message of X (X/t with SP: each rank sends its sequence shard) per boundary per
+                    micro-batch each way: X/bw + latency, on the slowest link the pipeline crosses
+  DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
+                    the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
+                    (overlapped the same way) + all-gather of the updated parameters after the step
+                    (exposed); stage 3: per micro-batch 2 all-gathers + 1 reduce-scatter, prefetched
+                    under that micro-batch's compute, exposed where longer than it
+  optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM speed
+                    (read the gradient, read and write the weights and the optimizer state)
+
+Memory of one GPU of a pipeline rank (`stage_memory`): its chunks' parameters under ZeRO as memory.predict
+counts them (padding included), and the most activation bytes its schedule keeps alive at once.
+
+Links: ranks on one node talk over NVLink (intra_*), else over the node's NICs (inter_*, per GPU:
+one NIC each). The grid is minipar's (pp, dp, tp), tp innermost (mesh.py): a TP group spans nodes
+when tp > gpus_per_node, a DP group when dp * tp does, a pipeline when its stages are on different nodes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from minipar import memory, pipeline
+
+GiB = 2 ** 30
+
+
+class Link(NamedTuple):
+    bandwidth: float  # bytes/s per GPU, one direction
+    latency: float    # s per message (a ring step)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs, their speed and memory, and the links between them. Homogeneous unless `groups` is set."""
+    gpus_per_node: int
+    nodes: int
+    memory_per_gpu: float     # bytes the training job may use on one GPU
+    peak_flops: float         # dense bf16 FLOP/s of one GPU (the MFU denominator)
+    efficiency: float         # fraction of peak the model's matmuls achieve (one number per GPU kind)
+    intra_bandwidth: float    # bytes/s per GPU, one direction, within a node (NVLink)
+    intra_latency: float      # s per message within a node
+    inter_bandwidth: float    # bytes/s per GPU across nodes (its NIC)
+    inter_latency: float      # s per message across nodes
+    memory_bandwidth: float = 2.0e12  # HBM bytes/s: the memory-bound kernels and the optimizer step
+    name: str = "custom"
+    groups: tuple = ()        # heterogeneous: homogeneous Clusters in rank order (see `mixed`)
+
+    # Vendor figures. intra_bandwidth is what NCCL moves over NVLink: 80% of the line rate (A100 300, H100
+    # and H200 450 GB/s a direction), as NCCL's protocol costs about 20% (its maintainer, NVIDIA/nccl-tests
+    # issue 212: "450GB/s is the line rate ... NCCL can get an effective NVLink bandwidth of 370GB/s").
+    # inter_bandwidth is one NIC per GPU at line rate: HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s.
+    # Latencies are per ring step (an 8-GPU all-reduce pays 14), assumed: 1 us over NVLink, 5 us over IB.
+    PRESETS = {
+        "dgx-a100-80g": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=312e12,
+                             intra_bandwidth=0.8 * 300e9, intra_latency=1e-6, inter_bandwidth=25e9,
+                             inter_latency=5e-6, memory_bandwidth=2.039e12),
+        "dgx-h100": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=989e12, intra_bandwidth=0.8 * 450e9,
+                         intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6, memory_bandwidth=3.35e12),
+        "h200": dict(gpus_per_node=8, memory_per_gpu=139 * GiB, peak_flops=989e12, intra_bandwidth=0.8 * 450e9,
+                     intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
+                     memory_bandwidth=4.8e12),           # 139 GiB: what torch reports on one H200 here
+    }
+    # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row of
+    # a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer (t = 8, b = 4, SP) at 7.7 ms
+    # forward + 11.9 ms backward; take off this model's TP and memory-bound time and the matmuls ran at
+    # 0.69 of 312 TFLOP/s (`calibrate()` redoes it). H100, H200: no layer timing is published beside
+    # the figures we check, so the A100's 0.69 is assumed, unvalidated (the one Hopper measurement we
+    # have, an 8192^3 bf16 matmul at 790 of 989 TFLOP/s on an H200, is an upper bound): run
+    # `calibrate` on a measured layer to replace it.
+    EFFICIENCY = {"dgx-a100-80g": 0.69, "dgx-h100": 0.69, "h200": 0.69}
+
+    def __post_init__(self):
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Cluster.{name} must be a positive integer, got {value!r}")
+        for name in ("memory_per_gpu", "peak_flops", "intra_bandwidth", "inter_bandwidth", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"Cluster.efficiency must be in (0, 1], got {self.efficiency!r}")
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1) -> "Cluster":
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; choose from {sorted(cls.PRESETS)}")
+        return cls(nodes=nodes, efficiency=cls.EFFICIENCY[name], name=name, **cls.PRESETS[name])
+
+    @classmethod
+    def mixed(cls, parts) -> "Cluster":
+        """One cluster of several GPU kinds, ranks numbered part after part (whole nodes each). The
+        nodes talk over the slowest NIC; capacities and speeds stay per part (`device(rank)`)."""
+        parts = tuple(p for part in parts for p in (part.groups or (part,)))
+        if len({p.gpus_per_node for p in parts}) != 1:
+            raise ValueError("Cluster.mixed needs the same gpus_per_node in every part")
+        slowest = min(parts, key=lambda p: p.peak_flops * p.efficiency)
+        return dataclasses.replace(
+            slowest, nodes=sum(p.nodes for p in parts), name="+".join(f"{p.nodes}x{p.name}" for p in parts),
+            memory_per_gpu=min(p.memory_per_gpu for p in parts), inter_bandwidth=min(p.inter_bandwidth for p in parts),
+            inter_latency=max(p.inter_latency for p in parts), groups=parts if len(parts) > 1 else ())
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def peak_total(self) -> float:
+        return sum(g.peak_flops * g.world for g in self.groups) if self.groups else self.peak_flops * self.world
+
+    def device(self, rank: int) -> "Cluster":
+        """The homogeneous part that GPU `rank` belongs to (the cluster itself when homogeneous)."""
+        for g in self.groups:
+            if rank < g.world:
+                return g
+            rank -= g.world
+        return self
+
+    def link(self, ranks) -> Link:
+        """The link a collective among `ranks` runs on: NVLink within one node, else the NICs."""
+        ranks = list(ranks)
+        if len({r // self.gpus_per_node for r in ranks}) <= 1:
+            dev = self.device(ranks[0])
+            return Link(dev.intra_bandwidth, dev.intra_latency)
+        return Link(self.inter_bandwidth, self.inter_latency)
+
+    def rate(self, ranks, precision: str) -> float:
+        """Matmul FLOP/s of the slowest GPU among `ranks` (fp32 as TF32: half the 16-bit peak)."""
+        return min(self.device(r).peak_flops * self.device(r).efficiency for r in ranks) * \
+            (0.5 if precision == "fp32" else 1.0)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes`: 2(n-1)/n of it sent by each rank, 2(n-1) steps."""
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def gather(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather or reduce-scatter whose full tensor is `nbytes`: (n-1)/n of it, n-1 steps."""
+    return 0.0 if n == 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def p2p(nbytes: float, link: Link) -> float:
+    return nbytes / link.bandwidth + link.latency
+
+
+# ----------------------------------------------------------------------------- per micro-batch costs
+
+
+@dataclass(frozen=True)
+class Work:
+    """How one GPU runs one micro-batch: its split, its kernels' speeds, its links."""
+    b: int
+    t: int
+    sp: bool
+    recompute: str
+    e: int                    # bytes an activation element
+    rate: float               # matmul FLOP/s
+    hbm: float                # HBM bytes/s
+    tp_link: Link
+    split: bool               # the schedule splits the backward into B and W (zb-h1)
+    materialized: bool        # attention matrix written to memory (Megatron 2022) or fused (SDPA)
+
+
+def layer_cost(cfg, w: Work) -> dict[str, dict[str, float]]:
+    """Seconds of one transformer layer, {"F"|"B"|"W": {component: s}} (module docstring)."""
+    s, b, h, a, t = cfg.seq_len, w.b, cfg.d_model, cfg.n_head, w.t
+    dense, core = 24 * b * s * h * h / t, 4 * b * s * s * h / t
+    traffic = w.e * s * b * h * (10 / (t if w.sp else 1) + 8 / t) + (13 * a * s * s * b / t if w.materialized else 0)
+    ar = all_reduce(b * s * h * w.e, t, w.tp_link)
+    fwd = {"compute": (dense + core) / w.rate, "memory_bound": traffic / w.hbm, "tp_comm": 2 * ar}
+    redo = {"none": 0.0, "selective": core / w.rate + (13 * a * s * s * b / t / w.hbm if w.materialized else 0),
+            "full": sum(fwd.values())}[w.recompute]
+    bwd = {"compute": (dense + 2 * core if w.split else 2 * dense + 2 * core) / w.rate, "recompute": redo,
+           "memory_bound": 2 * traffic / w.hbm, "tp_comm": 2 * ar}
+    return {"F": fwd, "B": bwd, "W": {"compute": dense / w.rate} if w.split else {}}
+
+
+def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, float]]:
+    """Seconds of the embedding (first stage: its TP all-reduce and lookups) and the head (last stage:
+    final LayerNorm, logits, loss; the TP all-reduce before it in backward)."""
+    s, b, h, V, t = cfg.seq_len, w.b, cfg.d_model, cfg.vocab_size, w.t
+    ar = all_reduce(b * s * h * w.e, t, w.tp_link)
+    out = {"F": {}, "B": {}, "W": {}}
+    if first:
+        out["F"] = {"memory_bound": 3 * s * b * h * w.e / w.hbm, "tp_comm": ar}
+    if last:
+        logits = 2 * b * s * h * V / t
+        # the logits written and read by the loss (2e), its fp32 log-probabilities (4); ln_f's input and output
+        traffic = s * b * V / t * (2 * w.e + 4) + 2 * s * b * h * w.e / (t if w.sp else 1)
+        out["F"] = _add(out["F"], {"compute": logits / w.rate, "memory_bound": traffic / w.hbm})
+        out["B"] = {"compute": (1 if w.split else 2) * logits / w.rate, "memory_bound": 2 * traffic / w.hbm,
+                    "tp_comm": ar}
+        out["W"] = {"compute": logits / w.rate} if w.split else {}
+    return out
+
+
+def chunk_cost(cfg, w: Work, layers: int, first: bool, last: bool) -> dict[str, dict[str, float]]:
+    """Seconds of one model chunk (its layers, plus the embedding or the head at the ends) per micro-batch."""
+    layer, ends = layer_cost(cfg, w), ends_cost(cfg, w, first, last)
+    return {op: _add({k: layers * v for k, v in layer[op].items()}, ends[op]) for op in ("F", "B", "W")}
+
+
+def _add(x: dict, y: dict) -> dict:
+    return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in {**x, **y}}
+
+
+# ----------------------------------------------------------------------------- parameters and their traffic
+
+
+def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
+    """Parameters one TP rank holds of a chunk, as ZeRO-3 units (memory.units when t = 1, whole model):
+    tok_emb V h/t, pos_emb s h | per block (12 h^2 + 6 h)/t + 6 h | ln_f 2 h, head (V h + V)/t."""
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    units = [V * h // t, s * h] if first else []
+    units += [(12 * h * h + 6 * h) // t + 6 * h] * layers
+    return units + ([2 * h, (V * h + V) // t] if last else [])
+
+
+def chunk_params(cfg, t: int, layers: int, first: bool, last: bool) -> int:
+    """Parameters one TP rank holds of a chunk (memory.tp_params when the chunk is the whole model)."""
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    split = layers * (12 * h * h + 6 * h) + (V * h if first else 0) + (V * h + V if last else 0)
+    return split // t + layers * 6 * h + (s * h if first else 0) + (2 * h if last else 0)
+
+
+def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: float, units: int) -> float:
+    """Exposed seconds of the DP/ZeRO collectives of a stage holding `psi` parameters a GPU; `window` is
+    the backward of its last micro-batch (what buckets overlap), `compute_mb` a micro-batch's compute."""
+    n = par.dp
+    if n == 1:
+        return 0.0
+    if par.zero == 0:
+        g = 4 if par.precision == "fp32" or (par.precision in ("bf16", "fp16") and par.reduce_fp32) else per["grads"]
+        total = all_reduce(g * psi, n, link)
+        return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
+    rs, ag = gather(per["grads"] * psi, n, link), gather(per["params"] * psi, n, link)
+    if par.zero in (1, 2):
+        return _overlap(rs, per["grads"] * psi, par.bucket_mb, window) + ag
+    per_mb = 2 * ag + rs
+    return par.microbatches * max(0.0, per_mb - compute_mb) + ag / max(units, 1)
+
+
+def _overlap(total: float, nbytes: float, bucket_mb: float, window: float) -> float:
+    """All buckets but the last hide under `window` (as far as it lasts); the last one is exposed."""
+    last = total / max(1, math.ceil(nbytes / (bucket_mb * 2 ** 20)))
+    return last + max(0.0, total - last - window)
+
+
+def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
+    return params_updated * (per["grads"] + 2 * (per["params"] + per["optimizer"])) / hbm
+
+
+# ----------------------------------------------------------------------------- memory per pipeline rank
+
+
+@functools.lru_cache(maxsize=256)
+def actions(name: str, p: int, m: int, v: int):
+    return pipeline.schedule(name, p, m, v)
+
+
+def peak_activations(par, m: int, chunk_bytes: list[float]) -> list[float]:
+    """Per pipeline rank, the most activation bytes alive: walk its actions in order (the order does not
+    depend on timing), adding a chunk's bytes at its F and freeing them at its last backward op."""
+    last = "W" if par.schedule == "zb-h1" else "B"
+    peaks = []
+    for ops in actions(par.schedule, par.pp, m, par.virtual_stages):
+        alive = peak = 0.0
+        for a in ops:
+            alive += chunk_bytes[a.stage] * ((a.op == "F") - (a.op == last))
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+def model_states(par, sizes: list[int], per: dict) -> dict[str, float]:
+    """Model states and comm buffers of one GPU holding `sizes` parameters (ZeRO-3 units), as memory.predict."""
+    n, stage, psi = par.dp, par.zero, sum(sizes)
+    shards = [(-(-x // n), min(x, -(-x // n))) for x in (sizes if stage == 3 else [psi])]
+    shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
+    if stage == 0:
+        own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32
+        comm = per["grads"] * psi if n > 1 and par.dp_mode == "bucketed" and own_grads else 0
+    elif stage == 1:
+        comm = per["grads"] * shard
+    elif stage == 2:
+        comm = 0
+    else:
+        full = [n * s for s, _ in shards]
+        comm = per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)
+    return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
+            "grads": per["grads"] * (psi if stage < 2 else shard),
+            "optimizer": per["optimizer"] * (psi if stage == 0 else owned), "comm": comm}
+
+
+def stage_memory(cfg, par, b: int, m: int, layers: list[int], materialized: bool) -> list[dict]:
+    """{category: bytes} per pipeline rank (module docstring)."""
+    p, chunks = par.pp, len(layers)
+    e, per = 4 if par.precision == "fp32" else 2, memory.layout_bytes(par.precision)
+    acts = memory.activations(cfg, b, e, par.tp, par.sequence_parallel, par.recompute)
+    per_layer = acts["layers"] // cfg.n_layer
+    if materialized and par.recompute == "none":  # Korthikanti's attention matrix: 5 a s^2 b / t bytes
+        per_layer += 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp
+    chunk_bytes = [n * per_layer + (acts["tokens"] if c == 0 else 0) + (acts["head"] if c == chunks - 1 else 0)
+                   for c, n in enumerate(layers)]
+    peaks = peak_activations(par, m, chunk_bytes)
+    out = []
+    for r in range(p):
+        mine = range(r, chunks, p)
+        sizes = [u for c in mine for u in chunk_units(cfg, par.tp, layers[c], c == 0, c == chunks - 1)]
+        if par.zero < 3:
+            sizes = [sum(chunk_params(cfg, par.tp, layers[c], c == 0, c == chunks - 1) for c in mine)]
+        states = model_states(par, sizes, per)
+        out.append({"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+                    "activations": peaks[r], "comm": states["comm"]})
+    return out
+
+
+
+def calibrate(cfg, layer_step: float, micro_batch: int, tp: int, cluster: Cluster, sequence_parallel: bool = True,
+              materialized: bool = False, precision: str = "bf16") -> float:
+    """The efficiency that makes one layer's forward + backward (no recomputation) take `layer_step`
+    seconds: the matmul FLOPs over the time left once this model's TP and memory-bound time are taken off.
+
+    Korthikanti Table 4 (22B: a 64, h 6144, s 2048; t = 8, b = 4, SP, Megatron's materialised attention,
+    7.7 + 11.9 ms on A100s) gives the A100's 0.69."""
+    ranks = range(tp)
+    w = Work(micro_batch, tp, sequence_parallel, "none", 4 if precision == "fp32" else 2, 1.0,
+             cluster.memory_bandwidth, cluster.link(ranks), False, materialized)
+    cost = layer_cost(cfg, w)
+    flops = cost["F"]["compute"] + cost["B"]["compute"]  # FLOPs, since the rate was 1
+    other = sum(v for op in cost.values() for k, v in op.items() if k != "compute")
+    return flops / (layer_step - other) / (cluster.peak_flops * (0.5 if precision == "fp32" else 1.0))
