@@ -82,14 +82,47 @@ def run_train(args) -> None:
         print("--- sample ---\n" + sample(model, "ROMEO:", args.sample, seed=args.seed))
 
 
+def plan_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="rank the layouts of a model on a cluster by predicted step time",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="gpt2-xl", choices=sorted(GPTConfig.PRESETS), help="model preset")
+    for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override the preset's {name}")
+    p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=512, help="sequences a step")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    return p
+
+
+def run_plan(args) -> None:
+    from minipar.cost import Cluster
+    from minipar.planner import NoFeasiblePlan, explain, format_table, plan
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+                 if getattr(args, k) is not None}
+    cfg, cluster = GPTConfig.preset(args.model, **overrides), Cluster.preset(args.cluster, nodes=args.nodes)
+    print(f"model {args.model}: {cfg.num_params / 1e9:.2f} B parameters | {cluster.world} GPUs ({args.cluster} "
+          f"x {args.nodes}) | global batch {args.global_batch}")
+    try:
+        ranked = plan(cfg, cluster, args.global_batch, precision=args.precision)
+    except NoFeasiblePlan as e:
+        sys.exit(f"no layout fits: {e}")
+    print(format_table(ranked, top=args.top))
+    print(explain(ranked[:args.top]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
+    plan_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             run_train(args)
+        elif args.command == "plan":
+            run_plan(args)
     except ValueError as err:  # a bad configuration: say what to change, no traceback
         sys.exit(f"error: {err}")
 
