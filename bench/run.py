@@ -10,9 +10,9 @@ import argparse
 import pathlib
 import sys
 
-import allreduce, ddp, tp, zero  # bench/ is on sys.path (the script's folder), so workers import it by name too
+import allreduce, ddp, pp, tp, zero  # bench/ is on sys.path (the script's folder), so workers import it by name too
 
-ENTRIES = {"allreduce": allreduce, "ddp": ddp, "zero": zero, "tp": tp}
+ENTRIES = {"allreduce": allreduce, "ddp": ddp, "zero": zero, "tp": tp, "pp": pp}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
