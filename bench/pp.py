@@ -52,6 +52,7 @@ from minipar import data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline import Timeline, schedule, simulate
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
+from common import add_timing_arguments, version  # bench/ is on sys.path
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_layer=8, microbatches=8, rows=2, reps=6, warmup=2,
@@ -74,11 +75,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"],
                         help="micro-batches m per step (a multiple of every p)")
     parser.add_argument("--rows", type=int, default=DEFAULTS["rows"], help="sequences per micro-batch")
-    parser.add_argument("--reps", type=int, default=DEFAULTS["reps"], help="timed steps per variant and launch")
-    parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed steps per variant first")
-    parser.add_argument("--launches", type=int, default=DEFAULTS["launches"], help="fresh launches per world")
-    parser.add_argument("--threads", type=int, default=DEFAULTS["threads"],
-                        help="intra-op threads per rank (0: launch's choice, CPUs // world)")
+    add_timing_arguments(parser, DEFAULTS)
 
 
 def model_config(s: dict) -> GPTConfig:
@@ -257,19 +254,9 @@ def run(args=None, out_dir=RESULTS, **settings) -> str:
         f"![step time and bubble](pp.png)\n\n"
         f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}; {threads}; 1-minute load average "
         f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s "
-        f"in all; minipar at {_version()}.\nCommand: `{command}`\n")
+        f"in all; minipar at {version()}.\nCommand: `{command}`\n")
     plot(rows, s, out_dir / "pp.png")
     return f"{setup}\n\n{checks}\n\n{md}\n\n{verdict}\n\n{ops}\n\n{notes(rows, launches)}"
-
-
-def _version() -> str:
-    """The commit the code ran at ("-dirty": with uncommitted changes), or "?" outside a git checkout."""
-    import subprocess
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent, timeout=10).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def _bubble_and_busy(by_rank: list[dict], name: str) -> tuple[list[float], list[float]]:

@@ -50,6 +50,7 @@ from minipar import comm, data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.tensor_parallel import TPGroup, apply_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy
 from minipar.train import make_optimizer
+from common import add_timing_arguments  # bench/ is on sys.path
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2, threads=1)
@@ -66,11 +67,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--n-head", dest="n_head", type=int, default=DEFAULTS["n_head"],
                         help="override the preset's heads (every t must divide it; 0: the preset's)")
     parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences, the same on every rank")
-    parser.add_argument("--reps", type=int, default=DEFAULTS["reps"], help="timed steps per variant and launch")
-    parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed steps per variant first")
-    parser.add_argument("--launches", type=int, default=DEFAULTS["launches"], help="fresh launches per world")
-    parser.add_argument("--threads", type=int, default=DEFAULTS["threads"],
-                        help="intra-op threads per rank (0: launch's choice, CPUs // world)")
+    add_timing_arguments(parser, DEFAULTS)
 
 
 def model_config(s: dict) -> GPTConfig:

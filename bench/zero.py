@@ -58,6 +58,7 @@ from minipar import comm, data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
 from minipar.zero import Zero3, ZeroOptimizer
+from common import add_timing_arguments, version  # bench/ is on sys.path
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
@@ -72,11 +73,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]), help="world sizes")
     parser.add_argument("--model", default=DEFAULTS["model"], help="GPTConfig preset")
     parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per rank")
-    parser.add_argument("--reps", type=int, default=DEFAULTS["reps"], help="timed steps per variant and launch")
-    parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed steps per variant first")
-    parser.add_argument("--launches", type=int, default=DEFAULTS["launches"], help="fresh launches per world")
-    parser.add_argument("--threads", type=int, default=DEFAULTS["threads"],
-                        help="intra-op threads per rank (0: launch's choice, CPUs // world)")
+    add_timing_arguments(parser, DEFAULTS)
 
 
 # ----------------------------------------------------------------------------- inside a worker
@@ -258,20 +255,10 @@ def run(args=None, out_dir=RESULTS, **settings) -> str:
         f"{md}\n\n{verdict}\n\n{findings(rows, cfg)}![step time and memory](zero.png)\n\n"
         f"Machine: {os.cpu_count()} CPUs, torch "
         f"{torch.__version__}; {threads}; 1-minute load average {load_before:.1f} before the run, "
-        f"{os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s in all; minipar at {_version()}.\n"
+        f"{os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s in all; minipar at {version()}.\n"
         f"Command: `{command}`\n")
     plot(rows, s, out_dir / "zero.png")
     return f"{setup}\n\n{md}\n\n{verdict}"
-
-
-def _version() -> str:
-    """The commit the code ran at ("-dirty": with uncommitted changes), or "?" outside a git checkout."""
-    import subprocess
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent, timeout=10).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def summarise(world: int, runs: list[list[dict]]) -> list[dict]:

@@ -1,0 +1,23 @@
+"""What the step-time benchmarks (ddp, zero, tp, pp) share: their timing options and the commit they ran at."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+
+def add_timing_arguments(parser, defaults: dict) -> None:
+    """--reps, --warmup, --launches, --threads, with each benchmark's own defaults."""
+    parser.add_argument("--reps", type=int, default=defaults["reps"], help="timed steps per variant and launch")
+    parser.add_argument("--warmup", type=int, default=defaults["warmup"], help="untimed steps per variant first")
+    parser.add_argument("--launches", type=int, default=defaults["launches"], help="fresh launches per world")
+    parser.add_argument("--threads", type=int, default=defaults["threads"],
+                        help="intra-op threads per rank (0: launch's choice, CPUs // world)")
+
+
+def version() -> str:
+    """The commit the code ran at ("-dirty": with uncommitted changes), or "?" outside a git checkout."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              cwd=pathlib.Path(__file__).parent, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
