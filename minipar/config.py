@@ -28,7 +28,7 @@ def _one_of(name: str, value, choices) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = 1                      # data-parallel replicas; each takes global_batch / dp rows
+    dp: int = 1                      # data-parallel replicas; each takes global_batch / dp rows (or dp_shares)
     tp: int = 1                      # tensor-parallel ranks per layer (Megatron); innermost in the grid
     pp: int = 1                      # pipeline stages
     zero: int = 0                    # ZeRO stage over the DP group: 0 none, 1 optimizer, 2 +grads, 3 +params
@@ -45,6 +45,12 @@ class ParallelConfig:
     collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring) or "torch" (the backend's)
     reduce_fp32: bool = True         # 16-bit precisions under DP: all-reduce the fp32 master gradients (True)
                                      #   or the 16-bit ones, in buckets (half the bytes, 16-bit sums)
+    stage_layers: tuple | None = None  # layers of each pipeline chunk, in chunk order (pp * virtual_stages
+                                     #   of them, each >= 1, summing to n_layer): uneven, e.g. the planner's
+                                     #   split for stages of different speed; None: as even as possible
+    dp_shares: tuple | None = None   # rows of the global batch each DP rank takes a step (dp of them, each
+                                     #   >= 1 and divisible by microbatches, summing to global_batch); the
+                                     #   gradient average is weighted by them. None: global_batch / dp each
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -72,9 +78,30 @@ class ParallelConfig:
         if not self.reduce_fp32 and self.precision not in ("bf16", "fp16"):
             raise ValueError(f"ParallelConfig.reduce_fp32=False needs precision 'bf16' or 'fp16' (fp32 masters "
                              f"to reduce instead of), got {self.precision!r}")
+        self._check_split("stage_layers", self.pp * self.virtual_stages, "pp * virtual_stages")
+        self._check_split("dp_shares", self.dp, "dp")
+        if self.dp_shares and any(share % self.microbatches for share in self.dp_shares):
+            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must each divide by microbatches "
+                             f"({self.microbatches}): every DP rank cuts its rows into that many micro-batches")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b', "
                              f"got {self.schedule!r}")
+
+    def _check_split(self, name: str, length: int, rule: str) -> None:
+        """stage_layers, dp_shares: None, or a tuple (a list is taken as one) of `length` positive integers."""
+        value = getattr(self, name)
+        if value is None:
+            return
+        if isinstance(value, list):
+            value = tuple(value)
+            object.__setattr__(self, name, value)  # frozen: a tuple keeps the config hashable
+        if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                   for v in value):
+            raise ValueError(f"ParallelConfig.{name} must be None or a tuple of positive integers, got {value!r}")
+        if len(value) != length:
+            what = "chunk" if name == "stage_layers" else "DP rank"
+            raise ValueError(f"ParallelConfig.{name} needs one value per {what}: {rule} = {length} of them, "
+                             f"got {len(value)}")
 
     @property
     def world(self) -> int:
@@ -91,11 +118,18 @@ class ParallelConfig:
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
 
+    def dp_rows(self, global_batch: int) -> list[int]:
+        """Rows of the global batch each DP rank takes a step: dp_shares, or global_batch / dp each."""
+        return list(self.dp_shares) if self.dp_shares else [global_batch // self.dp] * self.dp
+
     def check(self, cfg, global_batch: int) -> None:
         """The rules that need the model config and the global batch; raises ValueError."""
         if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
             raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
-        if global_batch % (self.dp * self.microbatches):
+        if self.dp_shares and sum(self.dp_shares) != global_batch:
+            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must sum to global_batch ({global_batch}), "
+                             f"not {sum(self.dp_shares)}")
+        if not self.dp_shares and global_batch % (self.dp * self.microbatches):
             raise ValueError(f"global_batch ({global_batch}) must divide by dp * microbatches "
                              f"({self.dp} * {self.microbatches} = {self.dp * self.microbatches})")
         if cfg.n_head % self.tp:
@@ -105,6 +139,9 @@ class ParallelConfig:
         if self.pp * self.virtual_stages > cfg.n_layer:
             raise ValueError(f"pp * virtual_stages ({self.pp} * {self.virtual_stages}) must not exceed the "
                              f"model's n_layer ({cfg.n_layer}): every stage needs a layer")
+        if self.stage_layers and sum(self.stage_layers) != cfg.n_layer:
+            raise ValueError(f"ParallelConfig.stage_layers {self.stage_layers} must sum to the model's n_layer "
+                             f"({cfg.n_layer}), not {sum(self.stage_layers)}")
         if self.pp > 1:  # the schedule's own rules (micro-batches a schedule needs...), named for this config
             from minipar.pipeline.schedules import validate
             try:

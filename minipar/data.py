@@ -6,6 +6,8 @@ a contiguous slice of rows, and each micro-batch a slice of that:
 
     global batch (B rows) = [ dp rank 0 | dp rank 1 | ... ],  dp rank d = [ mb 0 | mb 1 | ... ]
 
+(equal slices: `shard`; uneven ones, a heterogeneous plan's ParallelConfig.dp_shares: `shard_rows`).
+
 Two sources:
   "shakespeare"  the bundled corpus (data/shakespeare.txt, 13 plays from Project Gutenberg), read
                  as characters; windows start at random offsets drawn from (seed, step).
@@ -68,3 +70,13 @@ def shard(rows: torch.Tensor, dp_rank: int, dp: int, microbatch: int = 0, microb
     per_mb = rows.shape[0] // (dp * microbatches)
     start = (dp_rank * microbatches + microbatch) * per_mb
     return rows[start: start + per_mb].clone()  # its own storage: a view would keep the whole batch
+
+
+def shard_rows(rows: torch.Tensor, start: int, count: int, microbatch: int = 0, microbatches: int = 1):
+    """Uneven data parallelism (ParallelConfig.dp_shares): micro-batch `microbatch` of the `count` rows
+    from `start` that one DP rank takes, cut into `microbatches` equal micro-batches; a copy."""
+    if count % microbatches or start < 0 or start + count > rows.shape[0]:
+        raise ValueError(f"rows [{start}, {start + count}) of a batch of {rows.shape[0]} do not cut into "
+                         f"{microbatches} equal micro-batches")
+    per_mb = count // microbatches
+    return rows[start + microbatch * per_mb: start + (microbatch + 1) * per_mb].clone()

@@ -224,9 +224,10 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
       params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer) | p Psi_pad/N (3)
       grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
       optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
-      activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches), e = 4 in fp32 and
-                 2 in 16-bit (a model held in 16 bits, as precision.MixedPrecision makes it); with
-                 pp > 1 the schedule's peak over the micro-batches in flight (`stage_activations`)
+      activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches) (with dp_shares:
+                 this rank's share / microbatches), e = 4 in fp32 and 2 in 16-bit (a model held in 16
+                 bits, as precision.MixedPrecision makes it); with pp > 1 the schedule's peak over the
+                 micro-batches in flight (`stage_activations`)
       comm       stage 0: the buckets, g Psi (bucketed, dp > 1) | 1: the reduce-scatter's output,
                  g Psi_pad/N | 2: 0 (that output is the gradient shard) | 3: the gathered units, at
                  most two adjacent ones at a time, p (full_i + full_{i+1}) at the largest pair
@@ -256,7 +257,7 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     else:             # a unit and the next one, prefetched, gathered at once
         full = [n * s for s, _ in shards]
         comm = per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)
-    b = global_batch // (par.dp * par.microbatches)
+    b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch (dp_shares)
     return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
             "grads": per["grads"] * (psi if stage < 2 else shard),
             "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
@@ -266,13 +267,14 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
 
 def stage_params(cfg, par, pp_rank: int = 0) -> int:
     """Parameters of one rank of pipeline stage `pp_rank`: the layers of its chunks (chunk k of
-    pp * virtual_stages on rank k % pp, layers cut as pipeline.runtime.partition cuts them), the
-    embeddings on the first chunk, ln_f and the head on the last; each cut by tp (`tp_params`)."""
+    pp * virtual_stages on rank k % pp, layers cut as pipeline.runtime.partition cuts them, or as
+    par.stage_layers says), the embeddings on the first chunk, ln_f and the head on the last; each cut
+    by tp (`tp_params`)."""
     from minipar.pipeline.runtime import partition
     if par.pp == 1:
         return tp_params(cfg, par.tp)
     h, V, s, t, chunks = cfg.d_model, cfg.vocab_size, cfg.seq_len, par.tp, par.pp * par.virtual_stages
-    layers = partition(cfg.n_layer, chunks)
+    layers = partition(cfg.n_layer, chunks, layers=par.stage_layers)
     mine = range(pp_rank, chunks, par.pp)
     return (sum(len(layers[k]) for k in mine) * ((12 * h * h + 6 * h) // t + 6 * h)
             + (V * h // t + s * h) * (0 in mine) + (2 * h + (V * h + V) // t) * (chunks - 1 in mine))
@@ -291,7 +293,7 @@ def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: i
         return parts["layers"] * cfg.n_layer + parts["head"] + parts["tokens"]
     from minipar.pipeline.runtime import partition
     chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
-    layers = partition(cfg.n_layer, chunks)
+    layers = partition(cfg.n_layer, chunks, layers=par.stage_layers)
     ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)  # targets: in "head"
     # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes the
     # head's output gradient in place, which W still holds)

@@ -77,7 +77,7 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, global_batch: int, 
         model = apply_tp(model, tp)
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)  # noqa: E731
     if par.pp > 1:                                                          # 2. pipeline stages
-        chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages)
+        chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages, layers=par.stage_layers)
         free_unused(model, chunks.values())
     apply_recompute(model, par.recompute)                                   # 3. recomputation
     if par.zero:                                                            # 4. ZeRO keeps its own masters
@@ -97,7 +97,9 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, global_batch: int, 
             run.masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)
             run.reduce = lambda grads: run.masters.finish()  # noqa: E731
     if par.pp > 1:                                                          # 5. the pipeline's executor
-        rows, seq = global_batch // (par.dp * par.microbatches), cfg.seq_len // (par.tp if par.sequence_parallel else 1)
+        # this DP rank's micro-batch: with uneven dp_shares the replicas' pipelines carry different b
+        rows = par.dp_rows(global_batch)[mesh.dp_rank] // par.microbatches
+        seq = cfg.seq_len // (par.tp if par.sequence_parallel else 1)
         plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
         run.pipe = PipelineExecutor(chunks, plan, (rows, seq, cfg.d_model), mesh.pp_group, loss_fn=loss_fn)
     if resumed:

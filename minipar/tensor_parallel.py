@@ -344,8 +344,9 @@ def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
     return state
 
 
-def traffic(cfg, par, global_batch: int) -> dict[str, float]:
-    """Bytes one rank sends to its TP group per step, {collective: bytes}, as `comm.count` names them.
+def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank (of DP rank `dp_rank`: its b with par.dp_shares) sends to its TP group per step,
+    {collective: bytes}, as `comm.count` names them.
 
     A micro-batch of b s tokens, X = b s h e bytes (e = 4 in fp32, 2 in 16-bit), t ranks, l layers:
       no SP  all_reduce      (4 l + 2) 2(t-1)/t X            the layers' f and g, embedding, head
@@ -361,7 +362,7 @@ def traffic(cfg, par, global_batch: int) -> dict[str, float]:
     t, l = par.tp, cfg.n_layer
     if t == 1:
         return {}
-    b = global_batch // (par.dp * par.microbatches)
+    b = par.dp_rows(global_batch)[dp_rank] // par.microbatches
     e = 4 if par.precision == "fp32" else 2
     x, stats, ring = b * cfg.seq_len * cfg.d_model * e, 4 * b * cfg.seq_len, (t - 1) / t
     m = par.microbatches

@@ -6,7 +6,9 @@ the single-device reference every technique is compared with) or on `par.world` 
 
 A step: take the global batch of this step (the same for every layout), run forward and backward on
 each of this rank's micro-batches (the loss of each scaled by 1/microbatches, so the gradients are
-those of the mean), step the optimizer. The loss reported is the global mean.
+those of the mean), step the optimizer. The loss reported is the global mean. With uneven DP shares
+(ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss is also weighted by its share, so the
+averaged gradients are still those of the global mean.
 Metrics: loss, step time, tokens/s, MFU (model FLOPs, REFERENCES.md, over the device's peak), and
 memory by category.
 """
@@ -112,10 +114,14 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state, checkpoints=None,
-               report=None, device: str | None = None) -> dict:
+               report=None, device: str | None = None, slow_ranks: dict | None = None) -> dict:
     """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights.
 
-    report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar)."""
+    report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
+    slow_ranks {global rank: factor >= 1}: a stated, synthetic throttle for demonstrations of
+    heterogeneous devices (demos_hetero.py), not a feature of `train`: after each micro-batch's forward
+    and backward (each pipeline action) such a rank sleeps (factor - 1) times what that compute took, so
+    it computes like a device `factor` times slower; sleeping frees the core for the other ranks."""
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if dist.is_initialized() and \
             dist.get_backend() == "nccl" else "cpu"
@@ -127,6 +133,17 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     run = parallelize(model, par, mesh, global_batch, lr, weight_decay, resumed)
     model, optimizer, mp, dp, tp, pipe = run.model, run.optimizer, run.mp, run.dp, run.tp, run.pipe
     first = resumed["steps_done"] if resumed else 0
+    # this DP rank's rows: [start, start + count) of the global batch (uneven with par.dp_shares). Its
+    # loss is the mean over its rows; DP averages gradients over the dp ranks, so weighting the loss by
+    # count / global_batch * dp makes that average the mean over the global batch (1.0 when even)
+    shares = par.dp_rows(global_batch)
+    start, count = sum(shares[:mesh.dp_rank]), shares[mesh.dp_rank]
+    weight = count * par.dp / global_batch
+    slowdown = float((slow_ranks or {}).get(mesh.rank, 1.0))
+    if not slowdown >= 1.0:
+        raise ValueError(f"slow_ranks factors must be >= 1 (times slower), got {slowdown!r}")
+    if pipe:
+        pipe.slowdown = slowdown
     meter = memory.ActivationMeter()
     losses, step_times, mem, timeline = [], [], {}, []
     report = report if mesh.rank == 0 else None
@@ -136,13 +153,15 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             clock.start()
             x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
             if pipe:  # every micro-batch's forward and backward, in the schedule's order
-                rows = [[dataset.shard(t, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+                rows = [[dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
                          for mb in range(par.microbatches)] for t in (x, y)]
                 with meter, mp.autocast(), dp.no_sync() if dp else contextlib.nullcontext():
-                    loss_sum, timeline = pipe.step(*rows, loss_scale=mp.scaler.scale if mp.scaler else 1.0)
+                    scale = (mp.scaler.scale if mp.scaler else 1.0) * weight
+                    loss_sum, timeline = pipe.step(*rows, loss_scale=scale)
                 loss_sum = _sum_over(loss_sum, mesh.pp_group)  # the last stage has it, the others 0
             else:
-                loss_sum = _accumulate(model, x, y, par, mesh, device, mp, dp, meter, run.loss_fn)
+                loss_sum = _accumulate(model, x, y, par, (start, count), device, mp, dp, meter, run.loss_fn,
+                                       weight, slowdown)
             if dp:
                 dp.finish()
             if tp and tp.sequence_parallel:  # after DP's reduction, which writes the gradients back
@@ -150,7 +169,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
             # the step before any other collective: ZeRO-3 may still be reducing gradients
             optimizer.step() if par.zero else mp.step(optimizer, run.reduce)
             if par.dp > 1:
-                loss_sum = _sum_over(loss_sum, mesh.dp_group) / par.dp
+                loss_sum = _sum_over(loss_sum * weight, mesh.dp_group) / par.dp  # the global mean
             if step == first:  # grads still held, optimizer state just allocated
                 mem = _measure(model, optimizer, dp, mp)
             optimizer.zero_grad()
@@ -198,20 +217,23 @@ def _measure(model, optimizer, dp, mp) -> dict[str, int]:
     return {**mp.measure(optimizer), "activations": 0, "comm": dp.comm_buffer_bytes if dp else 0}
 
 
-def _accumulate(model, x, y, par, mesh, device, mp, dp, meter, loss_fn) -> float:
-    """Forward and backward of this rank's micro-batches one after the other; returns the summed loss."""
+def _accumulate(model, x, y, par, rows, device, mp, dp, meter, loss_fn, weight=1.0, slowdown=1.0) -> float:
+    """Forward and backward of this rank's micro-batches one after the other; returns the summed loss.
+    rows: (start, count) of this DP rank's rows; the backward runs on loss * weight (see train_rank)."""
     loss_sum = 0.0
     for mb in range(par.microbatches):
-        xb = dataset.shard(x, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
-        yb = dataset.shard(y, mesh.dp_rank, par.dp, mb, par.microbatches).to(device)
+        xb = dataset.shard_rows(x, *rows, mb, par.microbatches).to(device)
+        yb = dataset.shard_rows(y, *rows, mb, par.microbatches).to(device)
         last = mb == par.microbatches - 1
         t0 = time.perf_counter()
         with meter, mp.autocast():
             loss = loss_fn(model(xb), yb) / par.microbatches
         t1 = time.perf_counter()
         with dp.no_sync() if dp and not last else contextlib.nullcontext():
-            mp.scale(loss).backward()
+            mp.scale(loss * weight if weight != 1.0 else loss).backward()
         meter.release()
+        if slowdown > 1.0:  # the synthetic throttle (train_rank's slow_ranks)
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
         if dp:  # the compute half of the timeline; dp records the communication
             dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
         loss_sum += loss.item()

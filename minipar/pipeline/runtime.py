@@ -45,10 +45,11 @@ from minipar.pipeline.schedules import Action, check, replay
 # ----------------------------------------------------------------------------- cutting the model
 
 
-def partition(n_layer: int, chunks: int, costs=None) -> list[range]:
-    """Contiguous layer ranges, one per chunk: uniform, or minimising the largest chunk's cost.
+def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]:
+    """Contiguous layer ranges, one per chunk: uniform, given sizes, or minimising the largest chunk's cost.
 
     costs=None: sizes differ by at most one, the first chunks take the extra layers.
+    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers: a heterogeneous plan's split).
     costs: n_layer per-layer costs (seconds, FLOPs...), or n_layer + 2 values [embedding, layer 0, ...,
     layer l-1, head + loss]: the first chunk then also pays the embedding and the last the head. The
     split minimises the maximum chunk cost (dynamic programming over the boundaries, O(chunks·l²)).
@@ -57,6 +58,13 @@ def partition(n_layer: int, chunks: int, costs=None) -> list[range]:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if chunks > n_layer:
         raise ValueError(f"chunks ({chunks}) must not exceed n_layer ({n_layer}): every chunk needs a layer")
+    if layers is not None:
+        if costs is not None:
+            raise ValueError("give partition costs or layers, not both")
+        if len(layers) != chunks or sum(layers) != n_layer or min(layers) < 1:
+            raise ValueError(f"layers {tuple(layers)} must be {chunks} sizes >= 1 summing to n_layer ({n_layer})")
+        bounds = [0, *itertools.accumulate(layers)]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     size, extra = divmod(n_layer, chunks)
     bounds = [k * size + min(k, extra) for k in range(chunks + 1)]
     if costs is not None:
@@ -103,10 +111,12 @@ class Chunk(nn.Module):
 build_chunk = Chunk  # build_chunk(model, layers, first, last) -> Chunk
 
 
-def chunks_for_rank(model: GPT, pp: int, pp_rank: int, virtual_stages: int = 1, costs=None) -> dict[int, Chunk]:
-    """This rank's chunks {global chunk index: Chunk}: chunk k of pp·virtual_stages lives on rank k % pp."""
+def chunks_for_rank(model: GPT, pp: int, pp_rank: int, virtual_stages: int = 1, costs=None,
+                    layers=None) -> dict[int, Chunk]:
+    """This rank's chunks {global chunk index: Chunk}: chunk k of pp·virtual_stages lives on rank k % pp;
+    their layers as `partition` cuts them (uniform, by costs, or the sizes `layers`)."""
     n = pp * virtual_stages
-    layers = partition(model.cfg.n_layer, n, costs)
+    layers = partition(model.cfg.n_layer, n, costs, layers)
     return {k: Chunk(model, layers[k], k == 0, k == n - 1) for k in range(pp_rank, n, pp)}
 
 
@@ -186,10 +196,14 @@ class PipelineExecutor:
             if src != dst and self.rank in (src, dst):
                 self.queues[dst if src == self.rank else src].append((key, src == self.rank))
         # modules holding parameters, deepest first: in split mode W runs their weight gradients one by one
+        # (depth: the chunk itself 0, its children 1...; a tie with the chunk would hand it their parameters)
+        depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n, m in c.named_modules()}
         self.owners = {k: sorted((m for m in c.modules() if any(True for _ in m.parameters())),
-                                 key=lambda m, c=c: -max(n.count(".") + 1 for n, x in c.named_modules() if x is m))
-                       for k, c in self.chunks.items()}
+                                 key=lambda m: -depth[id(m)]) for k, c in self.chunks.items()}
         self.peak_in_flight = 0
+        # a stated, synthetic throttle for demonstrations (train_rank's slow_ranks, demos_hetero.py): after
+        # each action, sleep (slowdown - 1) times what it took, as a device slowdown times slower would
+        self.slowdown = 1.0
 
     def _peer(self, key) -> tuple[int, int]:
         """(the pipeline rank on the other side of message `key`, whether it stays on this rank)."""
@@ -311,6 +325,8 @@ class PipelineExecutor:
             op, c, j = _key(a)
             start = self._forward(c, j, inputs, targets) if op == "F" else \
                 self._backward(c, j) if op == "B" else self._weight(c, j)
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             timeline.append((a, start, time.perf_counter()))
         for work, _ in self._sends:
             work.wait()

@@ -1,0 +1,113 @@
+"""Heterogeneous plans: uneven pipeline stages (stage_layers) and uneven DP shares (dp_shares).
+
+They train as the single process does (fp32, 1e-5), with the memory predicted as measured; bad splits
+fail before any process starts; and on this machine, with one rank made 2x slower by a stated,
+synthetic throttle (a sleep after each compute, demos_hetero.py), the planner's uneven plan is faster
+than the uniform layout, timed in the same launch.
+"""
+import pytest
+import torch
+
+import minipar
+from minipar import ParallelConfig, data
+from minipar.demos_hetero import compare
+from minipar.pipeline.runtime import partition
+from reference import assert_same_training
+
+CFG = minipar.GPTConfig.preset("tiny")   # 4 layers
+STEPS, BATCH = 3, 12
+KW = dict(steps=STEPS, global_batch=BATCH, lr=1e-3, weight_decay=0.1, seed=0, return_state=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return minipar.train(CFG, ParallelConfig(), **KW)
+
+
+CASES = [
+    ParallelConfig(pp=2, microbatches=2, stage_layers=(3, 1)),
+    ParallelConfig(pp=3, microbatches=3, stage_layers=(1, 2, 1), schedule="zb-h1"),
+    ParallelConfig(dp=2, dp_shares=(9, 3)),
+    ParallelConfig(dp=3, microbatches=2, zero=1, dp_shares=(2, 4, 6)),     # ZeRO's average, accumulation
+    ParallelConfig(dp=2, pp=2, microbatches=2, stage_layers=(1, 3), dp_shares=(8, 4)),
+]
+
+
+@pytest.mark.parametrize("par", CASES, ids=[par.label for par in CASES])
+def test_uneven_splits_equal_the_single_process_run(par, reference):
+    res = minipar.train(CFG, par, **KW)
+    assert_same_training(res, reference)
+    if par.pp > 1:  # every row crosses each boundary once each way, whatever the replicas' micro-batch sizes
+        total = sum(r.get("p2p", 0) for r in res.comm_bytes)
+        assert total == STEPS * 2 * (par.pp - 1) * BATCH * CFG.seq_len * CFG.d_model * 4
+    for predicted, measured in zip(res.predicted_memory, res.peak_memory):  # each rank's layers and rows
+        extra = measured.pop("optimizer") - predicted.pop("optimizer")
+        assert predicted == measured and 0 <= extra <= 8 * len(res.state_dict)  # + Adam's step counters
+
+
+def test_uneven_micro_batches_hold_uneven_activations():
+    res = minipar.train(CFG, ParallelConfig(dp=2, dp_shares=(9, 3)), steps=1, global_batch=BATCH)
+    big, small = (m["activations"] for m in res.peak_memory)
+    assert 2.5 < big / small < 3.0   # 3x the rows; the positions (8 s bytes) do not scale
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(pp=2, stage_layers=(4,)), r"stage_layers needs one value per chunk: pp \* virtual_stages = 2 of them"),
+    (dict(pp=2, stage_layers=(0, 4)), "stage_layers must be None or a tuple of positive integers"),
+    (dict(pp=2, stage_layers="31"), "stage_layers must be None or a tuple of positive integers"),
+    (dict(dp=2, dp_shares=(8,)), "dp_shares needs one value per DP rank: dp = 2 of them, got 1"),
+    (dict(dp=2, dp_shares=(6, 2.0)), "dp_shares must be None or a tuple of positive integers"),
+    (dict(dp=2, microbatches=2, dp_shares=(5, 3)), r"dp_shares \(5, 3\) must each divide by microbatches \(2\)"),
+])
+def test_bad_splits_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**changes)
+
+
+def test_splits_must_cover_the_model_and_the_batch():
+    with pytest.raises(ValueError, match=r"stage_layers \(2, 1\) must sum to the model's n_layer \(4\), not 3"):
+        ParallelConfig(pp=2, stage_layers=(2, 1)).check(CFG, 8)
+    with pytest.raises(ValueError, match=r"dp_shares \(6, 3\) must sum to global_batch \(8\), not 9"):
+        minipar.train(CFG, ParallelConfig(dp=2, dp_shares=(6, 3)), global_batch=8)
+    assert ParallelConfig(dp=2, dp_shares=[6, 2]).dp_shares == (6, 2)   # a list is taken as a tuple
+    ParallelConfig(dp=2, dp_shares=(7, 1)).check(CFG, 8)                 # any split that sums: no divisibility
+    assert partition(4, 2, layers=(3, 1)) == [range(0, 3), range(3, 4)]
+    with pytest.raises(ValueError, match="must be 2 sizes >= 1 summing to n_layer"):
+        partition(4, 2, layers=(3, 2))
+
+
+def test_uneven_shares_tile_the_global_batch():
+    x, _ = data.global_batch("synthetic", 0, batch=12, seq_len=8, vocab_size=96)
+    pieces = [data.shard_rows(x, start, n, mb, 2) for start, n in ((0, 2), (2, 4), (6, 6)) for mb in range(2)]
+    assert [p.shape[0] for p in pieces] == [1, 1, 2, 2, 3, 3] and torch.equal(torch.cat(pieces), x)
+    with pytest.raises(ValueError, match="do not cut into 2 equal micro-batches"):
+        data.shard_rows(x, 0, 3, 0, 2)
+
+
+class Run:  # the bits of a TrainResult that assert_same_training reads
+    def __init__(self, out):
+        self.losses, self.state_dict = out["losses"], out["state"]
+
+
+@pytest.mark.parametrize("par,batch,split", [
+    (ParallelConfig(dp=2), 48, dict(dp_shares=(32, 16))),
+    (ParallelConfig(pp=2, microbatches=4), 64, dict(stage_layers=(3, 1)))], ids=["dp2", "pp2"])
+def test_the_planned_split_beats_the_uniform_one_when_a_rank_is_slow(par, batch, split):
+    """Rank 1 (a DP replica, or the last pipeline stage) computes 2x slower: the throttle. Uniform, it
+    takes half the work and the other rank waits for it; the planner, on a Cluster.mixed of a fast and
+    a half-speed GPU, gives it a third of the rows, or one layer of four. Ideal: about 2/3 of the step
+    (DP), 3/4 (the pipeline: whole layers). The machine is shared and noisy (demos_hetero.compare):
+    asserted, the fastest planned step at most 0.85 of the fastest uniform one, and planned's median
+    step below uniform's, round by round."""
+    steps = 5
+    out = compare(CFG, par, batch, slow_ranks={1: 2.0}, steps=steps, rounds=6)
+    uniform, planned = out["uniform"], out["planned"]
+    print(f"\n{par.label}, rank 1 throttled 2x: uniform {uniform['median'] * 1e3:.1f} ms a step (median), "
+          f"{uniform['best'] * 1e3:.1f} (fastest); planned {planned['par'].label}: {planned['median'] * 1e3:.1f}"
+          f" ms, {planned['best'] * 1e3:.1f} ms; planned/uniform {out['best_ratio']:.2f} (fastest), "
+          f"{out['ratio']:.2f} (median of rounds)")
+    assert planned["par"] == par.replace(**split)
+    ref = minipar.train(CFG, steps=steps, global_batch=batch, lr=1e-3, weight_decay=0.0, seed=0, return_state=True)
+    assert_same_training(Run(planned), ref)  # throttled and uneven: still the same training
+    assert_same_training(Run(uniform), ref)
+    assert out["best_ratio"] <= 0.85 and out["ratio"] < 1.0
