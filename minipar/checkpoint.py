@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from minipar.zero import ZeroOptimizer
+from minipar.zero import Zero3, ZeroOptimizer
 
 FORMAT = 1
 
@@ -53,7 +53,7 @@ def _sources(model, mp):
 def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | None:
     """Every rank calls it; rank 0 (of the world) gets the whole checkpoint, the others None."""
     weights, moments = {}, {}
-    zero = _zero_full_state(optimizer) if isinstance(optimizer, ZeroOptimizer) else None  # flat shards
+    zero = _zero_full_state(optimizer) if isinstance(optimizer, (ZeroOptimizer, Zero3)) else None  # flat shards
     for i, (name, p, source) in enumerate(_sources(model, mp)):
         if zero:
             state = {k: v for k, v in zero[i].items() if k != "weight"} if zero[i]["step"] else {}
@@ -114,7 +114,7 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
         saved = checkpoint["optimizer"].get(name)
         cut[name] = saved and {"step": saved["step"], **{k: _shard_of(saved[k], p, tp).to(source.device).clone()
                                                          for k in ("exp_avg", "exp_avg_sq")}}
-    if isinstance(optimizer, ZeroOptimizer):  # ZeRO-1/2: flattened into its shards
+    if isinstance(optimizer, (ZeroOptimizer, Zero3)):  # ZeRO: flattened into its shards
         _zero_load(optimizer, [cut[name] for name, _ in model.named_parameters()])
         return checkpoint["steps_done"]
     for name, p, source in _sources(model, mp):
@@ -124,41 +124,52 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
     return checkpoint["steps_done"]
 
 
-# ----------------------------------------------------------------------------- ZeRO-1/2's flat shards
+# ----------------------------------------------------------------------------- ZeRO's flat shards
+#
+# ZeRO-1/2 keep one flat buffer, ZeRO-3 one per unit (module); each rank holds a shard of it, its fp32
+# master (mixed precision) and AdamW's moments for the pieces of parameters that fall in the shard.
 
 
-def _zero_full_state(zero: ZeroOptimizer) -> list[dict]:
-    """Each parameter's fp32 weight and AdamW state, whole, in `zero.params` order (a collective: the
-    shards are gathered with the backend's all-gather, not counted as training traffic)."""
-    mine = zero.mine
-    shards = {"weight": (mine.master if mine.master is not None else mine.params).float()}
-    for key in ("exp_avg", "exp_avg_sq"):
-        shards[key] = torch.zeros_like(shards["weight"])
-        for piece, a, b in mine.pieces:
-            if piece in mine.optimizer.state:
-                shards[key][a:b] = mine.optimizer.state[piece][key]
-    step = torch.tensor([max([float(s["step"]) for s in mine.optimizer.state.values()] or [0.0])])
-    full = {}
-    for key, shard in shards.items():
-        full[key] = shard.clone()
-        if zero.size > 1:
-            full[key] = torch.empty(zero.size * shard.numel(), dtype=shard.dtype, device=shard.device)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-            gather(full[key], shard.contiguous(), group=zero.group)
-    if zero.size > 1:  # a rank whose shard is all padding has no state
-        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=zero.group)
-    return [{**{k: v[a:b].view(shape) for k, v in full.items()}, "step": step.item()}
-            for shape, (a, b) in zip(zero.layout.shapes, zero.layout.ranges)]
+def _flats(zero) -> list:
+    """(layout, shard) of each flat buffer, in parameter order: one for ZeRO-1/2, a unit's each for ZeRO-3."""
+    return [(unit.layout, unit.mine) for unit in zero.units] if isinstance(zero, Zero3) else [(zero.layout, zero.mine)]
 
 
-def _zero_load(zero: ZeroOptimizer, moments: list[dict | None]) -> None:
-    """AdamW's state from each parameter's whole moments (`zero.params` order; None: no state yet)."""
+def _zero_full_state(zero) -> list[dict]:
+    """Each parameter's fp32 weight and AdamW state, whole, in the model's parameter order (a collective:
+    the shards are gathered with the backend's all-gather, not counted as training traffic)."""
+    states = []
+    for layout, mine in _flats(zero):
+        shards = {"weight": (mine.master if mine.master is not None else mine.params).float()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            shards[key] = torch.zeros_like(shards["weight"])
+            for piece, a, b in mine.pieces:
+                if piece in mine.optimizer.state:
+                    shards[key][a:b] = mine.optimizer.state[piece][key]
+        step = torch.tensor([max([float(s["step"]) for s in mine.optimizer.state.values()] or [0.0])])
+        full = {}
+        for key, shard in shards.items():
+            full[key] = shard.clone()
+            if zero.size > 1:
+                full[key] = torch.empty(zero.size * shard.numel(), dtype=shard.dtype, device=shard.device)
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+                gather(full[key], shard.contiguous(), group=zero.group)
+        if zero.size > 1:  # a rank whose shard is all padding has no state
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=zero.group)
+        states += [{**{k: v[a:b].view(shape) for k, v in full.items()}, "step": step.item()}
+                   for shape, (a, b) in zip(layout.shapes, layout.ranges)]
+    return states
+
+
+def _zero_load(zero, moments: list[dict | None]) -> None:
+    """AdamW's state from each parameter's whole moments (model order; None: no state yet)."""
     if not any(moments):
         return
-    layout = zero.layout
-    flat = {k: layout.flatten([m[k] if m else None for m in moments], torch.float32)[layout.lo:layout.hi]
-            for k in ("exp_avg", "exp_avg_sq")}
     step = next(m["step"] for m in moments if m)
-    for piece, a, b in zero.mine.pieces:
-        zero.mine.optimizer.state[piece] = {"step": torch.tensor(step, dtype=torch.float32),
-                                            **{k: v[a:b].clone().to(piece.dtype) for k, v in flat.items()}}
+    for layout, mine in _flats(zero):
+        mine_moments, moments = moments[:len(layout.shapes)], moments[len(layout.shapes):]
+        flat = {k: layout.flatten([m[k] if m else None for m in mine_moments], torch.float32)[layout.lo:layout.hi]
+                for k in ("exp_avg", "exp_avg_sq")}
+        for piece, a, b in mine.pieces:
+            mine.optimizer.state[piece] = {"step": torch.tensor(step, dtype=torch.float32),
+                                           **{k: v[a:b].clone().to(piece.dtype) for k, v in flat.items()}}

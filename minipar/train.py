@@ -77,8 +77,6 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
         raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
     pick_backend(backend, par.world)  # a world larger than the devices fails here, before any process
     done = checkpoint.load(resume, cfg)["steps_done"] if resume else 0  # a wrong file fails here too
-    if (save or resume) and par.zero == 3:
-        raise NotImplementedError("checkpoints with ZeRO-3 are not implemented yet: use zero <= 2")
     if done >= steps:
         raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} steps")
     if not isinstance(save_every, int) or save_every < 0:

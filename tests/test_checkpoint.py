@@ -39,9 +39,10 @@ def test_resume_in_the_same_layout_repeats_the_run_exactly(tmp_path, uninterrupt
     assert all((rest.state_dict[k] == v).all() for k, v in uninterrupted.state_dict.items())
 
 
-def test_zero_in_bf16_resumes_exactly(tmp_path):
-    """ZeRO-1 keeps fp32 masters and moments in flat shards: saved whole, cut again on resume."""
-    par, path = ParallelConfig(dp=2, zero=1, precision="bf16"), str(tmp_path / "zero.pt")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_in_bf16_resumes_exactly(tmp_path, stage):
+    """ZeRO keeps fp32 masters and moments in flat shards (ZeRO-3: one a unit): saved whole, cut again."""
+    par, path = ParallelConfig(dp=2, zero=stage, precision="bf16"), str(tmp_path / "zero.pt")
     whole = minipar.train(TINY, par, steps=4, **KW)
     first = minipar.train(TINY, par, steps=2, save=path, **KW)
     rest = minipar.train(TINY, par, steps=4, resume=path, **KW)
@@ -50,7 +51,7 @@ def test_zero_in_bf16_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("par", [ParallelConfig(tp=4, pp=2, microbatches=2), ParallelConfig(),
                                  ParallelConfig(dp=2, pp=2, microbatches=2, schedule="gpipe"),
-                                 ParallelConfig(dp=4, zero=2)],
+                                 ParallelConfig(dp=4, zero=2), ParallelConfig(dp=2, zero=3)],
                          ids=lambda p: p.label)
 def test_resume_in_another_layout_continues_the_same_training(par, saved_3d, uninterrupted):
     path, first = saved_3d
