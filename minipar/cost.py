@@ -69,6 +69,7 @@ class Cluster:
     memory_bandwidth: float = 2.0e12  # HBM bytes/s: the memory-bound kernels and the optimizer step
     name: str = "custom"
     groups: tuple = ()        # heterogeneous: homogeneous Clusters in rank order (see `mixed`)
+    cpu: object = None        # local CPU ranks: calibrate.CPU, measured; step times then come from cost_cpu.py
 
     # Vendor figures. intra_bandwidth is what NCCL moves over NVLink: 80% of the line rate (A100 300, H100
     # and H200 450 GB/s a direction), as NCCL's protocol costs about 20% (its maintainer, NVIDIA/nccl-tests
@@ -110,6 +111,28 @@ class Cluster:
         if name not in cls.PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; choose from {sorted(cls.PRESETS)}")
         return cls(nodes=nodes, efficiency=cls.EFFICIENCY[name], name=name, **cls.PRESETS[name])
+
+    @classmethod
+    def this_machine(cls, world: int = 1, refresh: bool = False) -> "Cluster":
+        """This machine's CPU cores as `world` local ranks, measured (calibrate.py; cached)."""
+        from minipar.calibrate import this_machine
+        return this_machine(world, refresh)
+
+    @classmethod
+    def from_cpu(cls, cpu) -> "Cluster":
+        """A Cluster of cpu.world local ranks from a CPU calibration (calibrate.CPU): per rank the memory
+        available now divided by world, the measured matmul rate of one rank as its peak (the MFU
+        denominator), the measured gloo link of two ranks. Step times come from cost_cpu.py, not these."""
+        try:
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        except (OSError, StopIteration):
+            free = 4 * GiB
+        _, latency, bandwidth = cpu.link(2)
+        link = dict(intra_bandwidth=min(bandwidth, 1e12), intra_latency=latency, inter_bandwidth=min(bandwidth, 1e12),
+                    inter_latency=latency)
+        return cls(gpus_per_node=cpu.world, nodes=1, memory_per_gpu=free / cpu.world, peak_flops=cpu.matmul,
+                   efficiency=1.0, memory_bandwidth=cpu.copy_rate, name=f"this-cpu-x{cpu.world}", cpu=cpu, **link)
 
     @classmethod
     def mixed(cls, parts) -> "Cluster":

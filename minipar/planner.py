@@ -208,6 +208,10 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str) -> tuple[float, di
 
 def _step(cfg, est: Estimate, attention: str) -> Estimate:
     par, cluster, p = est.par, est.cluster, est.par.pp
+    if cluster.cpu is not None:  # local CPU ranks: the measured model of cost_cpu.py
+        from minipar import cost_cpu
+        est.step_time, est.breakdown = cost_cpu.step_time(cfg, est)
+        return est
     replicas = {}
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
         key = (m, tuple(cluster.device(x).name for x in _ranks(par, replica=j)))
