@@ -4,6 +4,8 @@ from __future__ import annotations
 import pathlib
 import subprocess
 
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"  # tables and plots
+
 
 def add_timing_arguments(parser, defaults: dict) -> None:
     """--reps, --warmup, --launches, --threads, with each benchmark's own defaults."""
@@ -21,3 +23,11 @@ def version() -> str:
                               cwd=pathlib.Path(__file__).parent, timeout=10).stdout.strip() or "?"
     except (OSError, subprocess.SubprocessError):
         return "?"
+
+
+def main(module) -> None:
+    """`python bench/<entry>.py [options]`: the entry's own options, its summary printed."""
+    import argparse
+    parser = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
+    module.add_arguments(parser)
+    print(module.run(parser.parse_args()))

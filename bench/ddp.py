@@ -23,12 +23,14 @@ import os
 import pathlib
 import statistics
 
+import sys
+
 import torch
 
 import minipar
 from minipar import demos
+from common import RESULTS, add_timing_arguments, main  # bench/ is on sys.path
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), scaling=(1, 2, 4), model="small-cpu", batch=4, bucket_mb=2.0, reps=8,
                 warmup=2, launches=2, threads=1)
 GOAL = 1.10  # the project's goal: minipar's bucketed step within 1.10x of DDP's
@@ -43,13 +45,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per rank")
     parser.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=DEFAULTS["bucket_mb"],
                         help="bucket size in MiB, both implementations")
-    parser.add_argument("--reps", type=int, default=DEFAULTS["reps"],
-                        help="timed steps per variant and launch")
-    parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"],
-                        help="untimed steps per variant first")
-    parser.add_argument("--launches", type=int, default=DEFAULTS["launches"], help="fresh launches per world")
-    parser.add_argument("--threads", type=int, default=DEFAULTS["threads"],
-                        help="intra-op threads per rank (0: launch's choice, CPUs // world)")
+    add_timing_arguments(parser, DEFAULTS)
 
 
 def run(args=None, out_dir=RESULTS, **settings) -> str:
@@ -187,8 +183,4 @@ def plot(rows: dict[int, list[dict]], s: dict, path) -> None:
 
 
 if __name__ == "__main__":  # python bench/ddp.py [options], the same as python bench/run.py ddp [options]
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    print(run(parser.parse_args()))
+    main(sys.modules[__name__])

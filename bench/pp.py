@@ -44,6 +44,8 @@ import pathlib
 import statistics
 import time
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -52,9 +54,8 @@ from minipar import data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline import Timeline, schedule, simulate
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
-from common import add_timing_arguments, version  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main, version  # bench/ is on sys.path
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_layer=8, microbatches=8, rows=2, reps=6, warmup=2,
                 launches=2, threads=1)
 GOAL = 1.10  # the goal: minipar's step within 1.10x of PyTorch's, for each schedule
@@ -453,8 +454,4 @@ def plot(rows: list[dict], s: dict, path) -> None:
 
 
 if __name__ == "__main__":  # python bench/pp.py [options], the same as python bench/run.py pp [options]
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    print(run(parser.parse_args()))
+    main(sys.modules[__name__])

@@ -42,6 +42,8 @@ import time
 import warnings
 from collections import Counter
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -50,9 +52,8 @@ from minipar import comm, data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.tensor_parallel import TPGroup, apply_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy
 from minipar.train import make_optimizer
-from common import add_timing_arguments  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main  # bench/ is on sys.path
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("tp/minipar", "tp/torch", "tp+sp/torch", "dtensor")
 PEER = "dtensor"
@@ -94,7 +95,7 @@ def dtensor_plan(cfg: GPTConfig) -> dict:
 
 
 class _Run:
-    """One variant: forward(x, y) -> loss, after_backward(), step() = optimizer step then zero_grad."""
+    """One variant: forward(x, y) -> loss, backward(), step() = optimizer step then zero_grad."""
 
     def __init__(self, name: str, cfg: GPTConfig, mesh):
         torch.manual_seed(0)
@@ -369,8 +370,4 @@ def plot(rows: list[dict], s: dict, path) -> None:
 
 
 if __name__ == "__main__":  # python bench/tp.py [options], the same as python bench/run.py tp [options]
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    print(run(parser.parse_args()))
+    main(sys.modules[__name__])

@@ -49,6 +49,8 @@ import warnings
 import weakref
 from concurrent.futures import Future
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -58,9 +60,8 @@ from minipar import comm, data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
 from minipar.zero import Zero3, ZeroOptimizer
-from common import add_timing_arguments, version  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main, version  # bench/ is on sys.path
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("zero3/minipar", "zero3/torch", "fsdp2", "zero1/minipar", "zero1/torch", "ddp+zero-r")
 PEER = {"zero3/minipar": "fsdp2", "zero3/torch": "fsdp2", "fsdp2": "fsdp2",
@@ -342,7 +343,7 @@ def findings(rows: list[dict], cfg: GPTConfig) -> str:
            "(`p.data = empty`) keeps each gathered buffer alive until backward, which then gathers a second copy. "
            "FSDP2 frees with `storage.resize_(0)` and all-gathers back into the same storage, so the saved views "
            "see the data again. " if leaks else "")
-    return (f"Where ZeRO-3's extra memory comes from:\n" + "\n".join(out) + f"\n\n{why}Held between steps: "
+    return ("Where ZeRO-3's extra memory comes from:\n" + "\n".join(out) + f"\n\n{why}Held between steps: "
             "fsdp2's zero_grad sets the gradient shards to None (4P/N bytes), a zeroing zero_grad keeps them; "
             "the /minipar collectives also keep the ring's receive space.\n\n")
 
@@ -376,8 +377,4 @@ def plot(rows: list[dict], s: dict, path) -> None:
 
 
 if __name__ == "__main__":  # python bench/zero.py [options], the same as python bench/run.py zero [options]
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    print(run(parser.parse_args()))
+    main(sys.modules[__name__])
