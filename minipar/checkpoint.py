@@ -22,25 +22,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from minipar.pipeline.runtime import gather_stages
+from minipar.tensor_parallel import block_of, gather_blocks
 from minipar.zero import Zero3, ZeroOptimizer
 
 FORMAT = 1
-
-
-def _shard_of(full: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
-    """The part of a full tensor that `param` holds: its tensor-parallel block, or all of it."""
-    if tp is not None and hasattr(param, "tp_dim"):
-        return full.tensor_split(tp.size, param.tp_dim)[tp.rank]
-    return full
-
-
-def _gather_tp(tensor: torch.Tensor, param: torch.Tensor, tp) -> torch.Tensor:
-    """The full tensor from every tensor-parallel rank's block (a collective on the tp group)."""
-    if tp is None or not hasattr(param, "tp_dim"):
-        return tensor.detach().cpu().clone()
-    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
-    return torch.cat(parts, param.tp_dim).cpu()
 
 
 def _sources(model, mp):
@@ -57,21 +43,18 @@ def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | N
     for i, (name, p, source) in enumerate(_sources(model, mp)):
         if zero:
             state = {k: v for k, v in zero[i].items() if k != "weight"} if zero[i]["step"] else {}
-            weights[name] = _gather_tp(zero[i]["weight"], p, tp)
+            weights[name] = gather_blocks(zero[i]["weight"], p, tp)
         else:
             state = optimizer.state.get(source, {})
-            weights[name] = _gather_tp(source.float(), p, tp)
+            weights[name] = gather_blocks(source.float(), p, tp)
         if state:
-            moments[name] = {k: _gather_tp(state[k], p, tp) for k in ("exp_avg", "exp_avg_sq")}
+            moments[name] = {k: gather_blocks(state[k], p, tp) for k in ("exp_avg", "exp_avg_sq")}
             moments[name]["step"] = float(state["step"])
-    share = (weights, moments)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # each stage holds some layers
-        shares = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(shares, share, group=pp_group)
-        share = ({k: v for w, _ in shares for k, v in w.items()}, {k: v for _, m in shares for k, v in m.items()})
+    shares = gather_stages((weights, moments), pp_group)  # each stage holds some layers
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    return dict(format=FORMAT, model=share[0], optimizer=share[1], steps_done=steps_done,
+    return dict(format=FORMAT, model={k: v for w, _ in shares for k, v in w.items()},
+                optimizer={k: v for _, m in shares for k, v in m.items()}, steps_done=steps_done,
                 config=dataclasses.asdict(cfg))
 
 
@@ -112,7 +95,7 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
     cut = {}
     for name, p, source in _sources(model, mp):
         saved = checkpoint["optimizer"].get(name)
-        cut[name] = saved and {"step": saved["step"], **{k: _shard_of(saved[k], p, tp).to(source.device).clone()
+        cut[name] = saved and {"step": saved["step"], **{k: block_of(saved[k], p, tp).to(source.device).clone()
                                                          for k in ("exp_avg", "exp_avg_sq")}}
     if isinstance(optimizer, (ZeroOptimizer, Zero3)):  # ZeRO: flattened into its shards
         _zero_load(optimizer, [cut[name] for name, _ in model.named_parameters()])

@@ -147,8 +147,7 @@ class DataParallel:
     def _all_reduce(self, tensor: torch.Tensor, what: str):
         """Start summing `tensor` over the group; returns something `_wait` can wait for."""
         if self.collectives == "torch":
-            nominal = 2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
-            comm.record("torch_all_reduce", nominal, 1)  # what a ring would send; gloo's algorithm may differ
+            comm._nominal("all_reduce", self.size, tensor.numel() * tensor.element_size())  # as a ring would send
             return dist.all_reduce(tensor, group=self.group, async_op=True)
 
         def timed():

@@ -165,7 +165,7 @@ def _shard(param: torch.Tensor | None, dim: int, tp: TPGroup) -> nn.Parameter | 
     """This rank's block of a full parameter, cut along `dim` (Megatron's `partition_dim` attribute)."""
     if param is None:
         return None
-    block = nn.Parameter(param.detach().tensor_split(tp.size, dim)[tp.rank].clone())
+    block = nn.Parameter(param.detach().tensor_split(tp.size, dim)[tp.rank].clone())  # as block_of cuts
     block.tp_dim = dim
     return block
 
@@ -331,17 +331,23 @@ def sync_sequence_parallel_grads(model: nn.Module, tp: TPGroup) -> None:
         g.copy_(part.view_as(g))
 
 
+def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """The part of a full tensor (a weight, an Adam moment) that `param` holds: its block, or all of it."""
+    return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param, "tp_dim") else full
+
+
+def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """The full tensor from every rank's block of it, cut as `param` is (a collective), on the CPU."""
+    if tp is None or not hasattr(param, "tp_dim"):
+        return tensor.detach().cpu().clone()
+    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
+    return torch.cat(parts, param.tp_dim).cpu()
+
+
 def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
     """The single-device weights, blocks gathered from every rank of the group (a collective)."""
-    state = {}
-    for name, p in model.named_parameters():
-        if hasattr(p, "tp_dim"):
-            parts = [torch.empty_like(p) for _ in range(tp.size)]
-            dist.all_gather(parts, p.detach().contiguous(), group=tp.group)
-            state[name] = torch.cat(parts, p.tp_dim).cpu()
-        else:
-            state[name] = p.detach().cpu().clone()
-    return state
+    return {name: gather_blocks(p, p, tp) for name, p in model.named_parameters()}
 
 
 def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
@@ -370,7 +376,7 @@ def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
         partial = 6 * l * cfg.d_model + cfg.seq_len * cfg.d_model + 2 * cfg.d_model
         sent = {"reduce_scatter": m * (4 * l + 2) * ring * x,
                 "all_gather": m * ((6 * l + 3) * ring * x + (t - 1) * stats),
-                "all_reduce": m * 2 * 2 * ring * stats + 2 * ring * partial * (2 if e == 2 else 4)}
+                "all_reduce": m * 2 * 2 * ring * stats + 2 * ring * partial * e}
     else:
         sent = {"all_reduce": m * ((4 * l + 2) * 2 * ring * x + 2 * 2 * ring * stats),
                 "all_gather": m * (t - 1) * stats}

@@ -31,6 +31,7 @@ from minipar.launch import launch, pick_backend
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
 from minipar.parallelize import make_optimizer, parallelize  # noqa: F401  (make_optimizer: public here too)
+from minipar.pipeline.runtime import gather_stages
 from minipar.precision import DTYPES
 from minipar.tensor_parallel import full_state_dict, sync_sequence_parallel_grads
 from minipar.zero import Zero3, ZeroOptimizer
@@ -190,10 +191,7 @@ def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, re
     if return_state:  # the single-device weights; with tp > 1 every rank of the group takes part
         state = full_state_dict(model, tp) if tp else \
             {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        if par.pp > 1:  # and every stage its share
-            shares = [None] * par.pp
-            dist.all_gather_object(shares, state, group=mesh.pp_group)
-            state = {k: v for share in shares for k, v in share.items()}
+        state = {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}  # each stage's
     return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
                 calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
 

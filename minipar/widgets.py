@@ -107,11 +107,12 @@ class PlannerExplorer:
         self._set(pick=k)
         if self.estimates:
             e = self.estimates[k - 1]
-            self.set(**{f: getattr(e.par, f) for f in KNOBS[:-1]}, micro_batch=e.micro_batch)
+            self._set(**{f: getattr(e.par, f) for f in KNOBS[:-1]}, micro_batch=e.micro_batch)
         self.update()
 
     def set(self, **knobs) -> None:
-        """Set knobs by name (KNOBS) without redrawing; then `render()` (here) or `refresh()` (the widget)."""
+        """Set knobs by name (KNOBS) and re-estimate, without redrawing; then `render()` (here) or
+        `refresh()` (the widget)."""
         unknown = set(knobs) - set(KNOBS)
         if unknown:
             raise ValueError(f"unknown knobs {sorted(unknown)}; choose from {KNOBS}")

@@ -130,7 +130,7 @@ def _overflowed(shards: list, scaler, group) -> bool:
     and the loss scaler told. Without a scaler (fp32, bf16) never."""
     if scaler is None:
         return False
-    flag = torch.tensor([float(any(not torch.isfinite(s.grads).all() for s in shards))])
+    flag = (~torch.stack([torch.isfinite(s.grads).all() for s in shards]).all()).float().reshape(1)
     if _group_size_rank(group)[0] > 1:  # one float: the ranks must agree, each sees only its shard
         comm.record("overflow_flag", 4, 1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -132,6 +132,15 @@ def free_unused(model: GPT, chunks) -> None:
             setattr(model, name, nn.Identity())
 
 
+def gather_stages(share, group) -> list:
+    """Every pipeline stage's `share` (any picklable object: its part of the weights...), in stage order."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [share]
+    shares = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, share, group=group)
+    return shares
+
+
 # ----------------------------------------------------------------------------- the schedule's messages
 
 
@@ -167,8 +176,7 @@ class PipelineExecutor:
     steps the optimizer. If the schedule has W actions, B computes only input gradients, see `_weight`.
     """
 
-    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, dtype: torch.dtype | None = None,
-                 loss_fn=cross_entropy):
+    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, loss_fn=cross_entropy):
         self.p, self.chunks = len(schedule), dict(chunks)
         self.n_chunks = 1 + max(a.stage for rank in schedule for a in rank)
         self.m = 1 + max(a.microbatch for rank in schedule for a in rank)
@@ -188,7 +196,7 @@ class PipelineExecutor:
         self.loss_fn = loss_fn  # (logits, targets) -> mean loss; tensor parallelism passes its own
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.device = params[0].device
-        self.dtype = dtype or next(p.dtype for p in params if p.is_floating_point())
+        self.dtype = next(p.dtype for p in params if p.is_floating_point())  # of what travels between chunks
         # this rank's messages, per peer, in the order both ends follow: (key, True if we send it)
         self.queues = {q: [] for q in range(self.p) if q != self.rank}
         for key in message_order(schedule, self.n_chunks):
