@@ -101,15 +101,19 @@ def speed(cpu, k: float) -> float:
     return min(1.0, cpu.sharing * cpu.slots / k) if k > 0 else 1.0
 
 
-def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, copies: int, cpu):
+def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, copies: int, cpu,
+                  record: list | None = None):
     """Replay a schedule as `pipeline.schedules.replay` does, but with the cores shared: an action is
     `work` seconds of computing (at full speed) then `wait` seconds of collectives; while k ranks of the
     pipeline compute, each goes at speed(k * copies) (copies: the replicas and TP ranks doing the same).
-    work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting) seconds)."""
+    work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting) seconds);
+    record, if given, gets per rank [(action, start, end)] (a `pipeline.Timeline`'s events)."""
     from minipar.pipeline.schedules import inputs
     p = len(actions)
+    if record is not None:
+        record[:] = [[] for _ in range(p)]
     nxt, phase, left, until = [0] * p, [None] * p, [0.0] * p, [0.0] * p
-    done, spent, now = {}, [[0.0, 0.0] for _ in range(p)], 0.0
+    done, spent, now, started = {}, [[0.0, 0.0] for _ in range(p)], 0.0, [0.0] * p
     rank_of = {a: r for r, ops in enumerate(actions) for a in ops}
     while True:
         changed = True
@@ -122,6 +126,8 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
                     changed = True
                 if phase[r] == "wait" and until[r] <= now + 1e-12:
                     done[actions[r][nxt[r]]] = now
+                    if record is not None:
+                        record[r].append((actions[r][nxt[r]], started[r], now))
                     spent[r][1] += wait[actions[r][nxt[r]].op][actions[r][nxt[r]].stage]
                     phase[r], nxt[r] = None, nxt[r] + 1
                     changed = True
@@ -131,13 +137,13 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
                     if all(d in done for d in needs):
                         ready = max([now] + [done[d] + (latency if rank_of[d] != r else 0.0) for d in needs])
                         if ready <= now + 1e-12:
-                            phase[r], left[r] = "work", work[a.op][a.stage]
+                            phase[r], left[r], started[r] = "work", work[a.op][a.stage], now
                             changed = True
                         else:
                             phase[r], until[r] = "ready", ready
                 if phase[r] == "ready" and until[r] <= now + 1e-12:
                     a = actions[r][nxt[r]]
-                    phase[r], left[r] = "work", work[a.op][a.stage]
+                    phase[r], left[r], started[r] = "work", work[a.op][a.stage], now
                     changed = True
         busy = [r for r in range(p) if phase[r] == "work"]
         v = speed(cpu, len(busy) * copies)
@@ -190,8 +196,8 @@ def optimizer_time(par, psi: int, full: float, cpu) -> float:
     return full / par.dp + (per["grads"] + per["params"]) * psi / cpu.copy_rate
 
 
-def step_time(cfg, est) -> tuple[float, dict]:
-    """(seconds, breakdown by planner.TERMS) of `est`'s layout on its Cluster's CPU (module docstring)."""
+def _pipeline(cfg, est):
+    """What `replay_shared` replays for `est`: (profile, actions, chunks, work, wait, latency)."""
     par, cpu, b = est.par, est.cluster.cpu, est.micro_batch
     if par.world != cpu.world:
         raise ValueError(f"this CPU calibration is for world={cpu.world} ranks (threads and time-sharing depend "
@@ -216,6 +222,22 @@ def step_time(cfg, est) -> tuple[float, dict]:
     sync, step, bandwidth = cpu.link(2)
     latency = sync + step + x / bandwidth if p > 1 else 0.0
     actions = pipeline.schedule(par.schedule if p > 1 else "1f1b", p, m, par.virtual_stages)
+    return prof, actions, chunks, work, wait, latency
+
+
+def timeline(cfg, est) -> pipeline.Timeline:
+    """The pipeline of `est`'s step as `step_time` replays it (seconds; the DP and optimizer time after it
+    left out), for `viz.gantt` beside a measured one."""
+    _, actions, chunks, work, wait, latency = _pipeline(cfg, est)
+    events = []
+    replay_shared(actions, chunks, work, wait, latency, est.par.dp * est.par.tp, est.cluster.cpu, events)
+    return pipeline.Timeline(events)
+
+
+def step_time(cfg, est) -> tuple[float, dict]:
+    """(seconds, breakdown by planner.TERMS) of `est`'s layout on its Cluster's CPU (module docstring)."""
+    par, cpu, p = est.par, est.cluster.cpu, est.par.pp
+    prof, actions, chunks, work, wait, latency = _pipeline(cfg, est)
     span, spent = replay_shared(actions, chunks, work, wait, latency, par.dp * par.tp, cpu)
     busiest = max(range(p), key=lambda r: sum(spent[r]))
     dp = opt = sp = 0.0

@@ -64,12 +64,14 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
           lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
           backend: str = "auto", return_state: bool = False, progress: bool = False,
           timeout: float = 600.0, save: str | None = None, save_every: int = 0,
-          resume: str | None = None) -> TrainResult:
+          resume: str | None = None, on_step=None) -> TrainResult:
     """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first.
 
     steps counts from the start of training: resuming a checkpoint of k steps runs steps - k more.
     save: a checkpoint path, written every `save_every` steps (0: at the end only) and at the end;
-    resume: a checkpoint to continue from, in any layout (see checkpoint.py)."""
+    resume: a checkpoint to continue from, in any layout (see checkpoint.py).
+    on_step(loss, tokens_per_s), if given, is called in this process after each step (as the progress bar
+    is drawn), e.g. by a dashboard's own progress bar."""
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
     if not isinstance(steps, int) or steps < 1:
@@ -84,16 +86,16 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
         raise ValueError(f"save_every must be a non-negative integer, got {save_every!r}")
     args = (cfg, par, steps, global_batch, lr, weight_decay, seed, data, return_state)
     args += (dict(save=save, every=save_every or steps, resume=resume),)
-    bar = ProgressBar(steps - done, show=progress)
+    bar, report = ProgressBar(steps - done, show=progress, on_step=on_step), progress or on_step is not None
     try:
         if par.world == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
             device = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
-            ranks = [train_rank(*args, report=bar.update if progress else None, device=device)]
+            ranks = [train_rank(*args, report=bar.update if report else None, device=device)]
         elif "WORLD_SIZE" in os.environ:  # a torchrun job: this process is one rank
-            ranks = launch(train_rank, par.world, *args, report=bar.update if progress else None,
+            ranks = launch(train_rank, par.world, *args, report=bar.update if report else None,
                            backend=backend, timeout=timeout)
         else:  # local workers report through their output, the bar is drawn here
-            ranks = launch(train_rank, par.world, *args, report=ProgressBar.print_line if progress else None,
+            ranks = launch(train_rank, par.world, *args, report=ProgressBar.print_line if report else None,
                            backend=backend, timeout=timeout, on_line=bar.on_line)
     finally:
         bar.close()
@@ -271,11 +273,14 @@ class ProgressBar:
     prints a tagged line per step (`print_line`) and the launcher hands those lines to `on_line`."""
     TAG = "minipar-progress:"
 
-    def __init__(self, steps: int, show: bool):
+    def __init__(self, steps: int, show: bool, on_step=None):
         from tqdm.auto import tqdm
         self.bar = tqdm(total=steps, desc="train", mininterval=0.5) if show else None
+        self.on_step = on_step
 
     def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.on_step is not None:
+            self.on_step(loss, tokens_per_s)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)

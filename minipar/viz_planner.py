@@ -25,9 +25,12 @@ TERM_COLOURS = dict(zip(planner.TERMS, ["#4C72B0", "#8172B3", "#937860", "#DD845
 def timeline(est, attention: str = "flash") -> pipeline.Timeline:
     """The pipeline of `est`'s slowest DP replica, simulated as `planner.estimate` simulates it: each chunk's
     F, B (and W) seconds a micro-batch from the cost model, each message's point-to-point time as latency.
-    `attention` must be the one the estimate was made with. GPU clusters only: an estimate on
-    `Cluster.this_machine` is timed by cost_cpu.py, whose pipeline this is not."""
+    `attention` must be the one the estimate was made with. On `Cluster.this_machine` it is cost_cpu.py's
+    replay instead, with the cores shared (`cost_cpu.timeline`)."""
     par, cfg, cluster = est.par, est.cfg, est.cluster
+    if cluster.cpu is not None:
+        from minipar import cost_cpu
+        return cost_cpu.timeline(cfg, est)
     slowest, seen = None, set()
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPU kinds) simulate alike
         key = (m, tuple(cluster.device(r).name for r in planner._ranks(par, replica=j)))

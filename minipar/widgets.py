@@ -1,101 +1,182 @@
-"""Interactive explorers for the lessons (ipywidgets), built here so that a notebook cell stays one line.
+"""The strategy explorer: one ipywidgets dashboard to compare parallel strategies (`explorer()`).
 
-    PlannerExplorer   lesson 07: a model size, a cluster (or two GPU kinds mixed) and a global batch give the
-                      planner's ranked layouts (`plan`, `format_table`, `explain`); the layout's knobs (dp, tp,
-                      pp, schedule, virtual stages, ZeRO, recompute, micro-batch, sequence parallel) start at
-                      the winner and give its `estimate`: step-time breakdown beside the winner's, memory per
-                      stage, and the simulated pipeline (Gantt). A rule the layout breaks prints its message.
+Inputs: a model (a preset fills its sizes; editing a size makes it custom), a cluster (a GPU preset and its
+nodes, plus optionally nodes of a second kind: `Cluster.mixed`; or "this machine", its CPU cores as `ranks`
+local gloo ranks, calibrated: `Cluster.this_machine`), a global batch, and every ParallelConfig knob (the
+micro-batch size b stands for `microbatches` = global batch / (dp b)). On each change it shows the layout's
+`estimate`: step time, MFU and memory of the fullest GPU; the step cut into the planner's terms beside the
+plan's winner and a pinned layout "A"; the memory per GPU of each pipeline stage by category against its
+capacity; the pipeline as simulated (Gantt); the planner's ranked layouts and the term that makes each
+lose (`explain`). A layout that breaks a rule shows the rule's ValueError message instead.
 
-`render()` draws the current state into the current cell output, so a notebook executed without a browser
-(nbval, nbconvert) shows it; moving a control redraws into the explorer's own output area (a live kernel).
+"Run here" (this machine, a small model) trains the knobs' layout with `minipar.train` in a background
+thread, with a progress bar, then draws the measured memory of every rank beside the predicted one and,
+with a pipeline, the measured timeline of the last step beside the predicted one.
+
+`render()` draws the state into the current cell output (a notebook run without a browser shows it);
+a change in the dashboard redraws into its own outputs. CSS classes name the parts for tests that drive
+it in a browser (tests/test_browser.py): minipar-explorer (the whole), minipar-knob-<knob>, minipar-model,
+minipar-cluster, minipar-batch, minipar-summary (its element with `data-estimate`: the estimate as JSON),
+minipar-error, minipar-plots, minipar-ranking, minipar-pin, minipar-ab, minipar-run, minipar-progress,
+minipar-measured.
 """
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
+import base64
+import html
+import io
+import json
+import statistics
+import threading
+
 import ipywidgets as w
+import matplotlib.pyplot as plt
 from IPython.display import display
 
 from minipar import viz, viz_planner
-from minipar.config import RECOMPUTE, SCHEDULES, ParallelConfig
+from minipar.config import COLLECTIVES, DP_MODES, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.cost import GiB, Cluster
+from minipar.mesh import Mesh
 from minipar.model import GPTConfig
-from minipar.planner import estimate, explain, format_table, plan
+from minipar.pipeline import Timeline
+from minipar.planner import TERMS, estimate, explain, format_table, plan
 
-# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside the GPT-2 presets
+# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's presets
 PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144), "175B": dict(n_layer=96, n_head=96, d_model=12288),
              "530B": dict(n_layer=105, n_head=128, d_model=20480), "1T": dict(n_layer=128, n_head=160, d_model=25600)}
-SIZES = {**{k: v for k, v in GPTConfig.PRESETS.items() if k.startswith("gpt2")},
-         **{k: dict(v, vocab_size=51200, seq_len=2048) for k, v in PUBLISHED.items()}}
+SIZES = {**GPTConfig.PRESETS, **{k: dict(v, vocab_size=51200, seq_len=2048) for k, v in PUBLISHED.items()}}
 SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
+THIS = "this machine"
 QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtual_stages=(2,), zero=(0, 1))
-KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "sequence_parallel", "micro_batch")
+HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))  # this machine times each layer
+HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small models only
+KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision", "sequence_parallel",
+         "micro_batch", "dp_mode", "bucket_mb", "collectives", "reduce_fp32")
 MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds to draw)
+RUN_STEPS, RUN_TIMEOUT = 4, 300
 
 
-class PlannerExplorer:
-    """The explorer of lesson 07 (module docstring). `widget` is the box to display; `estimates` the ranked
-    plan, `current` the knobs' estimate (None when they break a rule) and `error` that rule's message."""
+def explorer(model: str = "gpt2-xl", cluster: str = "dgx-a100-80g", nodes: int = 1, global_batch: int = 64,
+             precision: str = "bf16", search: str = "full") -> "Explorer":
+    """The dashboard (module docstring), starting at `plan`'s winner; display it as a cell's last value.
+    cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes` is its number of local ranks)."""
+    return Explorer(model, cluster, nodes, global_batch, precision, search)
 
-    def __init__(self, model: str = "gpt2-xl", cluster: str = "dgx-a100-80g", nodes: int = 1,
-                 global_batch: int = 64, search: str = "full"):
-        presets = list(Cluster.PRESETS)
-        self.model = w.Dropdown(options=[*SIZES, "custom"], value=model, description="model")
+
+def _knob(name: str, control: w.Widget) -> w.Widget:
+    return control.add_class(f"minipar-knob-{name}")
+
+
+class Explorer:
+    """The dashboard of `explorer()`. `widget` is the box to display; `estimates` the ranked plan (empty
+    when nothing fits: `plan_error` says why), `current` the knobs' estimate (None when they break a rule:
+    `error` is its message), `pinned` layout A's, `result` the last "Run here" TrainResult."""
+
+    def __init__(self, model="gpt2-xl", cluster="dgx-a100-80g", nodes=1, global_batch=64, precision="bf16",
+                 search="full"):
+        if model not in SIZES or cluster not in [*Cluster.PRESETS, THIS]:
+            raise ValueError(f"model must be one of {list(SIZES)} and cluster one of {[*Cluster.PRESETS, THIS]}, "
+                             f"got {model!r}, {cluster!r}")
+        small = dict(layout=w.Layout(width="190px"))
+        self.model = w.Dropdown(options=[*SIZES, "custom"], value=model, description="model").add_class("minipar-model")
         self.shape = {k: w.BoundedIntText(min=1, max=1_000_000, description=k, layout=w.Layout(width="180px"))
                       for k in SHAPE}
-        self.kind = w.Dropdown(options=presets, value=cluster, description="GPUs")
+        self.kind = w.Dropdown(options=[*Cluster.PRESETS, THIS], value=cluster, description="cluster")
+        self.kind.add_class("minipar-cluster")
         self.nodes = w.BoundedIntText(value=nodes, min=1, max=128, description="nodes")
-        self.kind2 = w.Dropdown(options=["none", *presets], value="none", description="+ GPUs")
+        self.kind2 = w.Dropdown(options=["none", *Cluster.PRESETS], value="none", description="+ nodes of")
         self.nodes2 = w.BoundedIntText(value=1, min=1, max=128, description="nodes")
         self.batch = w.BoundedIntText(value=global_batch, min=1, max=1_000_000, description="global batch")
+        self.batch.add_class("minipar-batch")
         self.search = w.ToggleButtons(options=["full", "quick"], value=search, description="search")
         self.pick = w.BoundedIntText(value=1, min=1, max=1, description="load plan #")
-        opts = dict(layout=w.Layout(width="190px"))
-        self.knobs = {"dp": w.BoundedIntText(min=1, max=4096, description="dp", **opts),
-                      "tp": w.BoundedIntText(min=1, max=64, description="tp", **opts),
-                      "pp": w.BoundedIntText(min=1, max=512, description="pp", **opts),
-                      "schedule": w.Dropdown(options=SCHEDULES, description="schedule", **opts),
-                      "virtual_stages": w.BoundedIntText(min=1, max=16, description="v", **opts),
-                      "zero": w.Dropdown(options=[0, 1, 2, 3], description="ZeRO", **opts),
-                      "recompute": w.Dropdown(options=RECOMPUTE, description="recompute", **opts),
-                      "sequence_parallel": w.Checkbox(description="sequence parallel", **opts),
-                      "micro_batch": w.BoundedIntText(min=1, max=4096, description="micro-batch", **opts)}
-        self.out = w.Output()
-        self.estimates, self.current, self.error, self.plan_error = [], None, None, None
-        self._quiet = False
+        self.knobs = {name: _knob(name, c) for name, c in {
+            "dp": w.BoundedIntText(min=1, max=4096, description="dp", **small),
+            "tp": w.BoundedIntText(min=1, max=64, description="tp", **small),
+            "pp": w.BoundedIntText(min=1, max=512, description="pp", **small),
+            "schedule": w.Dropdown(options=SCHEDULES, description="schedule", **small),
+            "virtual_stages": w.BoundedIntText(min=1, max=16, description="v", **small),
+            "zero": w.Dropdown(options=[0, 1, 2, 3], description="ZeRO", **small),
+            "recompute": w.Dropdown(options=RECOMPUTE, description="recompute", **small),
+            "precision": w.Dropdown(options=PRECISIONS, value=precision, description="precision", **small),
+            "sequence_parallel": w.Checkbox(description="sequence parallel", **small),
+            "micro_batch": w.BoundedIntText(min=1, max=4096, description="micro-batch", **small),
+            "dp_mode": w.Dropdown(options=DP_MODES, value="bucketed", description="DP mode", **small),
+            "bucket_mb": w.BoundedFloatText(value=25.0, min=0.01, max=1e6, description="bucket MiB", **small),
+            "collectives": w.Dropdown(options=COLLECTIVES, description="collectives", **small),
+            "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", **small)}.items()}
+        self.summary = w.HTML().add_class("minipar-summary")
+        self.error_box = w.HTML().add_class("minipar-error")
+        self.pin_button = w.Button(description="pin as A", tooltip="keep this layout to compare").add_class("minipar-pin")
+        self.ab = w.HTML().add_class("minipar-ab")
+        self.plots = w.Output().add_class("minipar-plots")
+        self.ranking = w.Output().add_class("minipar-ranking")
+        self.run_button = w.Button(description="Run here", button_style="success").add_class("minipar-run")
+        self.progress = w.IntProgress(value=0, min=0, max=RUN_STEPS, description="steps").add_class("minipar-progress")
+        self.measured = w.Output().add_class("minipar-measured")
+        self.estimates, self.current, self.error, self.plan_error, self.pinned = [], None, None, None, None
+        self.result, self.run_error, self._thread, self._quiet = None, None, None, False
         self._fill_shape(SIZES[model])
         self.widget = w.VBox([
-            w.HTML("<b>Model and cluster</b> (a preset fills the sizes; editing a size makes it custom)"),
-            w.HBox([self.model, self.batch, self.search]),
-            w.HBox([self.shape[k] for k in SHAPE]),
-            w.HBox([self.kind, self.nodes]), w.HBox([self.kind2, self.nodes2]),
+            w.HTML("<b>Model, cluster, batch</b> (a preset fills the sizes; editing a size makes the model custom; "
+                   "on this machine <i>nodes</i> counts local ranks)"),
+            w.HBox([self.model, self.batch, self.search]), w.HBox([self.shape[k] for k in SHAPE]),
+            w.HBox([self.kind, self.nodes, self.kind2, self.nodes2]),
             w.HTML("<b>The layout</b> (starts at the plan's winner; change any knob)"), self.pick,
-            w.HBox([self.knobs[k] for k in KNOBS[:4]]), w.HBox([self.knobs[k] for k in KNOBS[4:]]), self.out])
+            *(w.HBox([self.knobs[k] for k in KNOBS[i:i + 5]]) for i in range(0, len(KNOBS), 5)),
+            self.summary, self.error_box, w.HBox([self.pin_button, self.ab]), self.plots,
+            w.HBox([self.run_button, self.progress]), self.measured,
+            w.HTML("<b>The planner's ranking</b> and why each runner-up loses"), self.ranking]).add_class("minipar-explorer")
         self.model.observe(self._on_model, names="value")
         for c in [*self.shape.values(), self.kind, self.nodes, self.kind2, self.nodes2, self.batch, self.search]:
             c.observe(self._on_plan, names="value")
         self.pick.observe(self._on_pick, names="value")
         for c in self.knobs.values():
             c.observe(self._on_knob, names="value")
+        self.pin_button.on_click(lambda _: (self.pin(), self.refresh()))
+        self.run_button.on_click(lambda _: self.run_here())
         self.replan()
+        self.refresh()
+
+    def _ipython_display_(self):
+        display(self.widget)
 
     # --------------------------------------------------------------------- state
 
     def config(self) -> GPTConfig:
         return GPTConfig(**{k: self.shape[k].value for k in SHAPE})
 
-    def cluster(self) -> Cluster:
+    def cluster(self, world: int | None = None) -> Cluster:
+        """The cluster of the inputs; for this machine, calibrated for `world` ranks (default: nodes)."""
+        if self.kind.value == THIS:
+            if self.config().num_params > HERE_MAX_PARAMS:
+                raise ValueError(f"this machine times the model's own layers here: choose a model of at most "
+                                 f"{HERE_MAX_PARAMS / 1e6:.0f}M parameters (tiny, small-cpu), or a GPU cluster")
+            return Cluster.this_machine(world=world or self.nodes.value)
         first = Cluster.preset(self.kind.value, nodes=self.nodes.value)
         if self.kind2.value == "none":
             return first
         return Cluster.mixed([first, Cluster.preset(self.kind2.value, nodes=self.nodes2.value)])
 
+    def layout(self) -> tuple[ParallelConfig, int]:
+        """(ParallelConfig, micro-batch size) of the knobs; ValueError if they break a rule."""
+        k = {name: c.value for name, c in self.knobs.items()}
+        b = k.pop("micro_batch")
+        rows = k["dp"] * b
+        if self.batch.value % rows:
+            raise ValueError(f"the global batch ({self.batch.value}) must be a multiple of dp x micro-batch "
+                             f"({k['dp']} x {b} = {rows})")
+        return ParallelConfig(**k, microbatches=self.batch.value // rows), b
+
     def replan(self) -> None:
-        """Search again (model, cluster, batch or search changed) and load the winner into the knobs."""
+        """Search again (model, cluster, batch, search or precision changed) and load the winner."""
         self.estimates, self.plan_error = [], None
         try:
+            here = self.kind.value == THIS
+            search = HERE if here else QUICK if self.search.value == "quick" else {}
             self.estimates = plan(self.config(), self.cluster(), self.batch.value,
-                                  **(QUICK if self.search.value == "quick" else {}))
-        except ValueError as e:  # NoFeasiblePlan, or a model size GPTConfig refuses
+                                  precision=self.knobs["precision"].value, **search)
+        except ValueError as e:  # NoFeasiblePlan, a model size GPTConfig refuses, a model too big to time here
             self.plan_error = f"{type(e).__name__}: {e}"
         self._quiet = True
         self.pick.max = max(1, len(self.estimates))
@@ -107,12 +188,11 @@ class PlannerExplorer:
         self._set(pick=k)
         if self.estimates:
             e = self.estimates[k - 1]
-            self._set(**{f: getattr(e.par, f) for f in KNOBS[:-1]}, micro_batch=e.micro_batch)
+            self._set(**{f: getattr(e.par, f) for f in KNOBS if f != "micro_batch"}, micro_batch=e.micro_batch)
         self.update()
 
     def set(self, **knobs) -> None:
-        """Set knobs by name (KNOBS) and re-estimate, without redrawing; then `render()` (here) or
-        `refresh()` (the widget)."""
+        """Set knobs by name (KNOBS) and re-estimate, without redrawing; then `render()` or `refresh()`."""
         unknown = set(knobs) - set(KNOBS)
         if unknown:
             raise ValueError(f"unknown knobs {sorted(unknown)}; choose from {KNOBS}")
@@ -123,60 +203,99 @@ class PlannerExplorer:
         """The knobs' estimate, or the message of the rule they break."""
         self.current, self.error = None, None
         try:
-            k = {name: c.value for name, c in self.knobs.items()}
-            b = k.pop("micro_batch")
-            par = ParallelConfig(**k, precision="bf16")
-            self.current = estimate(self.config(), par, self.cluster(), self.batch.value, b)
+            par, b = self.layout()
+            self.current = estimate(self.config(), par, self.cluster(par.world), self.batch.value, b)
         except ValueError as e:
             self.error = f"ValueError: {e}"
 
+    def pin(self) -> None:
+        """Keep the knobs' estimate as layout A, shown beside every later one."""
+        self.pinned = self.current
+
+    def why_not_run(self) -> str | None:
+        """Why "Run here" cannot train the knobs' layout now (None: it can)."""
+        if self.kind.value != THIS:
+            return "Run here trains on this machine: choose the cluster 'this machine'"
+        if self.current is None:
+            return "the layout breaks a rule"
+        if not self.current.fits:
+            return "the layout does not fit this machine's memory"
+        if self._thread is not None and self._thread.is_alive():
+            return "a run is in progress"
+        return None
+
+    def run_here(self, steps: int = RUN_STEPS, wait: bool = False) -> threading.Thread:
+        """Train the knobs' layout here for `steps` steps in a background thread (wait: join it)."""
+        reason = self.why_not_run()
+        if reason:
+            raise ValueError(f"cannot run here: {reason}")
+        self.result, self.run_error = None, None
+        self.progress.value, self.progress.max = 0, steps
+        self.measured.outputs = (_text(f"training {self.current.label} for {steps} steps ..."),)
+        self._thread = threading.Thread(target=self._run, args=(self.config(), self.current, steps), daemon=True)
+        self._thread.start()
+        if wait:
+            self._thread.join()
+        return self._thread
+
+    def _run(self, cfg, est, steps) -> None:
+        from minipar.train import train
+        try:
+            self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch, timeout=RUN_TIMEOUT,
+                                on_step=lambda loss, tokens: setattr(self.progress, "value", self.progress.value + 1))
+            self.measured.outputs = tuple(_measured(est, self.result))
+        except Exception as e:  # shown in the dashboard; the job's own traceback went to the log
+            self.run_error = f"{type(e).__name__}: {e}"
+            self.measured.outputs = (_text(f"the run failed: {self.run_error}"),)
+
     # --------------------------------------------------------------------- drawing
 
-    def render(self, ranking: bool = True) -> None:
-        """Draw the ranked plan (unless ranking=False) and the knobs' layout into the current output."""
-        try:
-            cfg, cluster = self.config(), self.cluster()
-        except ValueError:  # a custom size GPTConfig refuses: plan_error says why
-            cfg = None
-        if cfg is not None and ranking:
-            each = "the smallest" if cluster.groups else "each"
-            print(f"{cfg.num_params / 1e9:.2f}B parameters (l {cfg.n_layer}, h {cfg.d_model}, a {cfg.n_head}, "
-                  f"s {cfg.seq_len}, V {cfg.vocab_size}) on {cluster.world} GPUs ({cluster.name}, "
-                  f"{cluster.memory_per_gpu / GiB:.0f} GiB {each}), global batch {self.batch.value}, bf16\n")
-        if self.plan_error:
-            print(self.plan_error)
-        elif ranking:
-            print(f"{len(self.estimates)} layouts fit; the fastest ten:\n{format_table(self.estimates, top=10)}\n")
-            print(explain(self.estimates) + "\n")
-        if self.error:
-            print(f"The layout in the knobs: {self.error}")
-            return
+    def outputs(self) -> tuple[list, list]:
+        """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as text."""
+        ranking = [_text(self.plan_error)] if self.plan_error else [_text(
+            f"{len(self.estimates)} layouts fit; the fastest ten:\n{format_table(self.estimates, top=10)}\n\n"
+            + explain(self.estimates))]
         est, best = self.current, (self.estimates or [None])[0]
-        print(f"The layout in the knobs: {est!r}" + ("" if est.fits else f", does NOT fit "
-              f"{est.capacity / GiB:.0f} GiB") + (f"; {est.step_time / best.step_time:.3f}x the winner's step"
-                                                  if best else ""))
+        if est is None:
+            return [], ranking
+        bars = {"winner: " + best.label: best} if best else {}
+        if self.pinned is not None:
+            bars["A: " + self.pinned.label] = self.pinned
+        bars["knobs: " + est.label] = est
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2], layout="constrained")
-        viz_planner.breakdown({"winner: " + best.label: best, "knobs: " + est.label: est} if best else
-                              {est.label: est}, ax=ax_t)
+        viz_planner.breakdown(bars, ax=ax_t)
         viz_planner.memory_stages(est, ax=ax_m, title="memory per GPU of each stage (the knobs)")
-        display(fig)
-        plt.close(fig)
+        plots = [_png(fig)]
         boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * (3 if est.par.schedule == "zb-h1" else 2)
         if boxes > MAX_BOXES:
-            print(f"(the Gantt chart is left out: {boxes} actions to draw)")
-            return
-        tl = viz_planner.timeline(est)
-        print(f"The slowest replica's pipeline below takes {tl.makespan:.4g} s; then dp_comm "
-              f"{est.breakdown['dp_comm']:.3g} s and the optimizer {est.breakdown['optimizer']:.3g} s")
-        fig = viz.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")
-        display(fig)
-        plt.close(fig)
+            plots.append(_text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
+        else:
+            tl = viz_planner.timeline(est)
+            plots.append(_png(viz.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
+        return plots, ranking
 
     def refresh(self) -> None:
-        """Redraw into the explorer's own output area."""
-        with self.out:
-            self.out.clear_output(wait=True)
-            self.render()
+        """Redraw the dashboard's own outputs."""
+        self.summary.value = _summary(self.current, (self.estimates or [None])[0])
+        self.error_box.value = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
+        self.ab.value = _ab(self.pinned, self.current)
+        reason = self.why_not_run()
+        self.run_button.disabled, self.run_button.tooltip = reason is not None, reason or "train it here"
+        plots, ranking = self.outputs()
+        self.plots.outputs, self.ranking.outputs = tuple(plots), tuple(ranking)
+
+    def render(self, ranking: bool = True) -> None:
+        """Draw the state into the current cell output (for notebooks run without a browser)."""
+        plots, ranked = self.outputs()
+        if self.error:
+            print(self.error)
+        elif self.current is not None:
+            display(w.HTML(_summary(self.current, (self.estimates or [None])[0])))
+        for out in plots + (ranked if ranking else []):
+            if out["output_type"] == "stream":
+                print(out["text"], end="")
+            else:
+                display({"image/png": base64.b64decode(out["data"]["image/png"])}, raw=True)
 
     # --------------------------------------------------------------------- callbacks
 
@@ -184,8 +303,7 @@ class PlannerExplorer:
         self._quiet = True
         try:
             for name, value in values.items():
-                control = self.pick if name == "pick" else self.knobs[name]
-                control.value = value
+                (self.pick if name == "pick" else self.knobs[name]).value = value
         finally:
             self._quiet = False
 
@@ -193,7 +311,7 @@ class PlannerExplorer:
         self._quiet = True
         try:
             for k in SHAPE:
-                self.shape[k].value = sizes.get(k, GPTConfig.PRESETS["gpt2-small"][k])
+                self.shape[k].value = sizes[k]
         finally:
             self._quiet = False
 
@@ -211,6 +329,7 @@ class PlannerExplorer:
             self._quiet = True
             self.model.value = "custom"
             self._quiet = False
+        self.nodes.description = "ranks" if self.kind.value == THIS else "nodes"
         self.replan()
         self.refresh()
 
@@ -220,6 +339,85 @@ class PlannerExplorer:
             self.refresh()
 
     def _on_knob(self, change) -> None:
-        if not self._quiet:
-            self.update()
-            self.refresh()
+        if self._quiet:
+            return
+        if change["owner"] is self.knobs["precision"]:  # what fits changes: rank again, keep the knobs
+            knobs = {name: c.value for name, c in self.knobs.items()}
+            self.replan()
+            self._set(**knobs)
+        self.update()
+        self.refresh()
+
+
+# ----------------------------------------------------------------------------- the parts drawn
+
+
+def _text(s: str) -> dict:
+    return {"output_type": "stream", "name": "stdout", "text": s.rstrip("\n") + "\n"}
+
+
+def _png(fig) -> dict:
+    """A figure as an Output widget's output (PNG), and closed: set from any thread, in any kernel."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=72)
+    plt.close(fig)
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"image/png": base64.b64encode(buf.getvalue()).decode(), "text/plain": "<Figure>"}}
+
+
+def _summary(est, best) -> str:
+    """The estimate as a line of text, and as JSON in `data-estimate` (for tests that read the page)."""
+    if est is None:
+        return ""
+    par, cfg = est.par, est.cfg
+    data = dict(label=est.label, step_time=est.step_time, mfu=est.mfu, tflops=est.tflops_per_gpu,
+                memory=est.total_memory, capacity=est.capacity, fits=est.fits, micro_batch=est.micro_batch,
+                global_batch=est.global_batch, cluster=est.cluster.name, breakdown=est.breakdown,
+                model={k: getattr(cfg, k) for k in SHAPE},
+                **{k: getattr(par, k) for k in KNOBS if k != "micro_batch"})
+    vs = f", {est.step_time / best.step_time:.3f}x the winner's" if best else ""
+    fits = "fits" if est.fits else "<b style='color:#b00'>does NOT fit</b>"
+    return (f"<div data-estimate='{html.escape(json.dumps(data), quote=True)}'><b>{html.escape(est.label)}</b> "
+            f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step <b>{est.step_time:.4g} s</b>"
+            f"{vs}; MFU <b>{est.mfu:.1%}</b>, {est.tflops_per_gpu:.3g} TFLOP/s a GPU; fullest GPU "
+            f"<b>{_size(est.total_memory)}</b> of {_size(est.capacity)}: {fits}</div>")
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+def _ab(a, b) -> str:
+    """Layout A (pinned) beside B (the knobs): step, MFU, memory and each term, with B / A."""
+    if a is None or b is None:
+        return "<i>pin a layout as A to compare it with the knobs' (B) side by side</i>"
+    rows = [("step s", a.step_time, b.step_time), ("MFU", a.mfu, b.mfu),
+            ("GiB", a.total_memory / GiB, b.total_memory / GiB)] + [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
+    cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td><td>{y / x if x else float('nan'):.3f}</td></tr>"
+                    for name, x, y in rows)
+    return (f"<table><tr><th></th><th>A: {html.escape(a.label)}</th><th>B: {html.escape(b.label)}</th><th>B / A</th>"
+            f"</tr>{cells}</table>")
+
+
+def _measured(est, res) -> list[dict]:
+    """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`'s exact count
+    where it covers the layout; the planner's per-stage figure is within a fraction of a percent of it), the
+    step, the pipeline."""
+    par = est.par
+    coords = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
+    predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]  # exact per rank; else the planner's
+    pairs = {f"rank {r}": pair for r, pair in enumerate(zip(predicted, res.peak_memory))}
+    steps = res.step_times[1:] or res.step_times
+    out = [_text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured {statistics.median(steps) * 1e3:.1f}"
+                 f" ms (median of {len(steps)})"),
+           _png(viz.memory_compare({"predicted (left) and measured (right)": pairs}, title="memory per rank"))]
+    if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
+        first = [r for r, c in enumerate(coords) if c.dp_rank == 0 and c.tp_rank == 0]
+        measured = Timeline.from_events([res.timelines[r] for r in sorted(first, key=lambda r: coords[r].pp_rank)])
+        predicted = viz_planner.timeline(est)
+        fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True, layout="constrained")
+        viz.gantt(predicted, ax=axes[0], title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
+        viz.gantt(measured, ax=axes[1], title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
+        axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
+        out.append(_png(fig))
+    return out
