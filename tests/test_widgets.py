@@ -1,0 +1,110 @@
+"""The strategy explorer (minipar.widgets) without a browser: its controls move the estimate it shows.
+
+test_browser.py drives the same dashboard in JupyterLab and Voila; here each control's `value` is set as
+the browser would set it, and what the dashboard shows is read back: the summary's JSON (`data-estimate`),
+the error box, the A/B table, the plots, the Run-here button's state."""
+import html
+import json
+import re
+
+import pytest
+
+from minipar import Cluster, GPTConfig, ParallelConfig, cost_cpu, estimate, viz_planner
+from minipar.widgets import KNOBS, explorer
+
+
+def shown(ex) -> dict:
+    """The estimate the summary shows, as its data-estimate JSON."""
+    found = re.search(r"data-estimate='([^']*)'", ex.summary.value)
+    return json.loads(html.unescape(found.group(1))) if found else {}
+
+
+@pytest.fixture(scope="module")
+def ex():
+    return explorer("gpt2-xl", "dgx-a100-80g", 1, 64, "bf16", search="quick")
+
+
+def test_it_starts_at_the_winner_and_shows_its_estimate(ex):
+    winner, data = ex.estimates[0], shown(ex)
+    assert data["label"] == winner.label and data["step_time"] == winner.step_time
+    assert data["memory"] == winner.total_memory and data["mfu"] == pytest.approx(winner.mfu)
+    assert {k: data[k] for k in ("dp", "tp", "pp", "zero")} == {k: getattr(winner.par, k) for k in ("dp", "tp", "pp", "zero")}
+    assert ex.error_box.value == "" and len(ex.plots.outputs) == 2 and "layouts fit" in ex.ranking.outputs[0]["text"]
+    assert ex.run_button.disabled  # a GPU cluster: nothing to run here
+
+
+def test_each_control_moves_the_estimate_as_estimate_says(ex):
+    ex.load(1)
+    cfg, cluster = GPTConfig.preset("gpt2-xl"), Cluster.preset("dgx-a100-80g")
+    before = [o["data"]["image/png"] for o in ex.plots.outputs if "data" in o]
+    ex.knobs["dp"].value, ex.knobs["zero"].value = 4, 1
+    ex.knobs["pp"].value = 2   # each change redraws; the last one is a valid layout
+    ex.knobs["schedule"].value = "gpipe"
+    data, b = shown(ex), ex.knobs["micro_batch"].value
+    want = estimate(cfg, ParallelConfig(dp=4, pp=2, zero=1, schedule="gpipe", precision="bf16", microbatches=64 // (4 * b),
+                                        **{k: ex.knobs[k].value for k in ("tp", "recompute")}), cluster, 64, b)
+    assert (data["pp"], data["schedule"]) == (2, "gpipe") and data["step_time"] == want.step_time
+    assert data["breakdown"]["bubble"] == want.breakdown["bubble"] > 0
+    assert [o["data"]["image/png"] for o in ex.plots.outputs if "data" in o] != before
+    assert set(KNOBS) - {"micro_batch"} <= set(data)
+
+
+def test_a_broken_rule_shows_its_message_and_no_estimate(ex):
+    ex.load(1)
+    ex.knobs["virtual_stages"].value = 2  # without the interleaved schedule
+    assert ex.current is None and shown(ex) == {} and ex.plots.outputs == ()
+    assert "ValueError: ParallelConfig.virtual_stages=2 needs schedule=" in html.unescape(ex.error_box.value)
+    ex.knobs["micro_batch"].value = 3   # 64 rows do not split into dp x 3
+    assert "must be a multiple of dp x micro-batch" in ex.error
+    ex.load(1)
+    ex.refresh()
+    assert ex.error is None and ex.error_box.value == ""
+
+
+def test_pinned_a_stays_beside_b(ex):
+    ex.load(1)
+    ex.pin_button.click()
+    a = ex.pinned
+    ex.load(2)
+    ex.refresh()
+    assert a is not None and a.label in ex.ab.value and ex.current.label in ex.ab.value and "B / A" in ex.ab.value
+    ratio = re.search(r"<td>step s</td><td>[^<]*</td><td>[^<]*</td><td>([^<]*)</td>", ex.ab.value).group(1)
+    assert float(ratio) == pytest.approx(ex.current.step_time / a.step_time, rel=1e-3)
+
+
+def test_a_cluster_change_plans_again_and_loads_the_winner(ex):
+    ex.kind2.value = "dgx-h100"
+    try:
+        assert ex.cluster().world == 16 and shown(ex)["label"] == ex.estimates[0].label
+        assert shown(ex)["cluster"] == ex.cluster().name
+    finally:
+        ex.kind2.value = "none"
+
+
+def test_this_machine_refuses_a_model_it_cannot_time():
+    ex = explorer("gpt2-xl", "this machine", 2, 8, "fp32")
+    assert "at most 30M parameters" in ex.plan_error and "at most 30M parameters" in ex.error
+    with pytest.raises(ValueError, match="cannot run here: the layout breaks a rule"):
+        ex.run_here()
+    with pytest.raises(ValueError, match="cluster one of"):
+        explorer("gpt2-xl", "a cloud")
+
+
+def test_the_cpu_pipeline_drawn_is_the_one_timed():
+    cluster, cfg = Cluster.this_machine(world=2), GPTConfig.preset("tiny")
+    est = estimate(cfg, ParallelConfig(pp=2, microbatches=4), cluster, 8, 2)
+    tl = viz_planner.timeline(est)
+    assert tl.makespan + est.breakdown["dp_comm"] + est.breakdown["optimizer"] == pytest.approx(est.step_time)
+    assert [len(rank) for rank in tl.events] == [8, 8] and tl == cost_cpu.timeline(cfg, est)
+
+
+def test_run_here_trains_and_draws_measured_beside_predicted():
+    ex = explorer("tiny", "this machine", 2, 8, "fp32")
+    ex.set(dp=1, tp=1, pp=2, schedule="1f1b", virtual_stages=1, zero=0, micro_batch=2)
+    ex.refresh()
+    assert ex.why_not_run() is None and not ex.run_button.disabled
+    ex.run_here(steps=2, wait=True)
+    assert ex.run_error is None and ex.progress.value == 2 and len(ex.result.losses) == 2
+    kinds = [o["output_type"] for o in ex.measured.outputs]
+    assert kinds == ["stream", "display_data", "display_data"]  # the numbers, memory per rank, the two Gantts
+    assert "predicted" in ex.measured.outputs[0]["text"] and "measured" in ex.measured.outputs[0]["text"]
