@@ -6,20 +6,21 @@ and the layout trains for STEPS steps. The estimates use that calibration (the l
 run's probes) and each layout's own layer, profiled in this process (`calibrate.profile`). Measured step
 time: the median of rank 0's steps after the first; memory: the fullest rank's total, as train measures it.
 
-What is asserted, and why not 15% on each: on the 2-core virtual machine this was written on, quiet,
-two measurements of the same layout minutes apart differ by up to ~25% (a gloo message wakes a sleeping
+What is asserted, and why not 15% on each: on the 2-core virtual machine this was written on, quiet, two
+measurements of the same layout minutes apart differ by up to ~25% (a gloo message wakes a sleeping
 process, and the host's other work slows both cores at times), and the model runs ~10% under the
 measurement where ranks meet often. So of the 14 ASSERTED layouts at least WITHIN (10) must be within
 TIME_TOL (15%), their median error too, and each one within EACH; the REPORTED ones, under-predicted by
-20-30% there, are printed beside them and held to LOOSE: time-shared worlds that meet every micro-batch (dp=4, pp=4 on 2 cores: each
-meeting waits for a rank to be scheduled again) and tensor parallelism of the wider model (its
-collectives cost more than the 1 KiB probe says).
+20-30% there, are printed beside them and held to LOOSE: time-shared worlds that meet every micro-batch
+(dp=4, pp=4 on 2 cores: each meeting waits for a rank to be scheduled again) and tensor parallelism of
+the wider model (its collectives cost more than the 1 KiB probe says).
 
 The machine may be shared with other programs. The worker counts the CPU time they took while each layout
 ran. While something is off, everything is measured again, up to PASSES times in all, the layers profiled
 again too (the profile is cached per process, and one taken while the host was busy would make every pass
 repeat the first's error), and each layout keeps the nearest of its measurements; if it is still off and
-the machine was busy (`_busy`), the comparison is skipped rather than failed. Memory and the collectives the model charges are checked exactly either way.
+the machine was busy (`_busy`), the comparison is skipped rather than failed. Memory and the collectives
+the model charges are checked exactly either way.
 """
 import dataclasses
 import random
