@@ -30,7 +30,8 @@ sequences of s tokens, on one GPU of a stage holding its layers split t ways (t 
                     (read the gradient, read and write the weights and the optimizer state)
 
 Memory of one GPU of a pipeline rank (`stage_memory`): its chunks' parameters under ZeRO as memory.predict
-counts them (padding included), and the most activation bytes its schedule keeps alive at once.
+counts them (padding included), and the most activation bytes its schedule keeps alive at once
+(`memory.pipeline_activations`, the count the measured runs equal to the byte).
 
 Links: ranks on one node talk over NVLink (intra_*), else over the node's NICs (inter_*, per GPU:
 one NIC each). The grid is minipar's (pp, dp, tp), tp innermost (mesh.py): a TP group spans nodes
@@ -39,7 +40,6 @@ when tp > gpus_per_node, a DP group when dp * tp does, a pipeline when its stage
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -304,23 +304,7 @@ def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
 # ----------------------------------------------------------------------------- memory per pipeline rank
 
 
-@functools.lru_cache(maxsize=256)
-def actions(name: str, p: int, m: int, v: int):
-    return pipeline.schedule(name, p, m, v)
-
-
-def peak_activations(par, m: int, chunk_bytes: list[float]) -> list[float]:
-    """Per pipeline rank, the most activation bytes alive: walk its actions in order (the order does not
-    depend on timing), adding a chunk's bytes at its F and freeing them at its last backward op."""
-    last = "W" if par.schedule == "zb-h1" else "B"
-    peaks = []
-    for ops in actions(par.schedule, par.pp, m, par.virtual_stages):
-        alive = peak = 0.0
-        for a in ops:
-            alive += chunk_bytes[a.stage] * ((a.op == "F") - (a.op == last))
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
+actions = memory.schedule_actions
 
 
 def model_states(par, sizes: list[int], per: dict) -> dict[str, float]:
@@ -347,13 +331,9 @@ def stage_memory(cfg, par, b: int, m: int, layers: list[int], materialized: bool
     """{category: bytes} per pipeline rank (module docstring)."""
     p, chunks = par.pp, len(layers)
     e, per = 4 if par.precision == "fp32" else 2, memory.layout_bytes(par.precision)
-    acts = memory.activations(cfg, b, e, par.tp, par.sequence_parallel, par.recompute)
-    per_layer = acts["layers"] // cfg.n_layer
-    if materialized and par.recompute == "none":  # Korthikanti's attention matrix: 5 a s^2 b / t bytes
-        per_layer += 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp
-    chunk_bytes = [n * per_layer + (acts["tokens"] if c == 0 else 0) + (acts["head"] if c == chunks - 1 else 0)
-                   for c, n in enumerate(layers)]
-    peaks = peak_activations(par, m, chunk_bytes)
+    # Korthikanti's attention matrix, 5 a s^2 b / t bytes a layer, if materialized and kept
+    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if materialized and par.recompute == "none" else 0
+    peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), m, extra)
     out = []
     for r in range(p):
         mine = range(r, chunks, p)

@@ -13,6 +13,7 @@ buffers by what each technique allocates. `zero_table` recomputes the ZeRO paper
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -281,34 +282,51 @@ def stage_params(cfg, par, pp_rank: int = 0) -> int:
 
 
 def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: int = 0) -> int:
-    """Peak bytes saved for backward on a rank of stage `pp_rank`. One process: `activations`. A
-    pipeline: walk the rank's actions in the schedule's order; each F adds its chunk's activations of
-    one micro-batch (its layers; the ids and positions on the first chunk, ln_f, the loss and the
-    targets on the last), which stay until that micro-batch's backward (its W, if the schedule splits
-    backward: B keeps the graph for W). The peak is the schedule's memory, in bytes."""
+    """Peak bytes saved for backward on a rank of stage `pp_rank` (`pipeline_activations`)."""
+    return pipeline_activations(cfg, par, micro_batch, element_bytes)[pp_rank]
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_actions(name: str, p: int, m: int, v: int) -> list:
+    """`pipeline.schedule`, cached (the planner walks the same schedules many times; do not modify)."""
     from minipar.pipeline import schedule
+    return schedule(name, p, m, v)
+
+
+def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers: list[int] | None = None,
+                         microbatches: int | None = None, extra_per_layer: int = 0) -> list[int]:
+    """Peak bytes saved for backward on each pipeline rank. One process: `activations`. A pipeline: walk
+    each rank's actions in the schedule's order; each F adds its chunk's activations of one micro-batch
+    (its layers; the ids and positions on the first chunk, ln_f, the loss and the targets on the last),
+    which stay until that micro-batch's backward (its W, if the schedule splits backward: B keeps the
+    graph for W). The peak is the schedule's memory, in bytes. layers: layers per chunk (default
+    par.stage_layers or `partition`'s even split); microbatches: default par.microbatches;
+    extra_per_layer: bytes a layer saves besides (the planner's materialised attention matrix)."""
     parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp, par.sequence_parallel,
                         par.recompute)
+    per_layer = parts["layers"] + extra_per_layer
     if par.pp == 1:
-        return parts["layers"] * cfg.n_layer + parts["head"] + parts["tokens"]
+        return [per_layer * cfg.n_layer + parts["head"] + parts["tokens"]]
     from minipar.pipeline.runtime import partition
     chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
-    layers = partition(cfg.n_layer, chunks, layers=par.stage_layers)
+    layers = layers or [len(c) for c in partition(cfg.n_layer, chunks, layers=par.stage_layers)]
     ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)  # targets: in "head"
     # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes the
     # head's output gradient in place, which W still holds)
     loss = 4 * sb * cfg.vocab_size + 4 + targets if t == 1 else 9 * sb
-    held = [len(layers[k]) * parts["layers"] + (ids + 8 * cfg.seq_len) * (k == 0)
+    held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
-    actions = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)[pp_rank]
-    split = any(a.op == "W" for a in actions)  # then B frees only the loss's part (after the last module)
-    freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
-             "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
-    current = peak = 0
-    for a in actions:
-        current += held[a.stage] if a.op == "F" else -freed[a.op][a.stage]
-        peak = max(peak, current)
-    return peak
+    peaks = []
+    for actions in schedule_actions(par.schedule, par.pp, microbatches or par.microbatches, par.virtual_stages):
+        split = any(a.op == "W" for a in actions)  # then B frees only the loss's part (after the last module)
+        freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
+                 "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
+        current = peak = 0
+        for a in actions:
+            current += held[a.stage] if a.op == "F" else -freed[a.op][a.stage]
+            peak = max(peak, current)
+        peaks.append(peak)
+    return peaks
 
 
 def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:

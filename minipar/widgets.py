@@ -400,12 +400,11 @@ def _ab(a, b) -> str:
 
 
 def _measured(est, res) -> list[dict]:
-    """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`'s exact count
-    where it covers the layout; the planner's per-stage figure is within a fraction of a percent of it), the
-    step, the pipeline."""
+    """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`, per rank:
+    the planner's per-stage figure is its DP rank 0, the fullest under ZeRO), the step, the pipeline."""
     par = est.par
     coords = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
-    predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]  # exact per rank; else the planner's
+    predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]
     pairs = {f"rank {r}": pair for r, pair in enumerate(zip(predicted, res.peak_memory))}
     steps = res.step_times[1:] or res.step_times
     out = [_text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured {statistics.median(steps) * 1e3:.1f}"
