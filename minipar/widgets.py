@@ -134,7 +134,7 @@ class Explorer:
         for c in self.knobs.values():
             c.observe(self._on_knob, names="value")
         self.pin_button.on_click(lambda _: (self.pin(), self.refresh()))
-        self.run_button.on_click(lambda _: self.run_here())
+        self.run_button.on_click(self._on_run)
         self.replan()
         self.refresh()
 
@@ -229,7 +229,7 @@ class Explorer:
         reason = self.why_not_run()
         if reason:
             raise ValueError(f"cannot run here: {reason}")
-        self.result, self.run_error = None, None
+        self.result, self.run_error, self.run_button.disabled = None, None, True
         self.progress.value, self.progress.max = 0, steps
         self.measured.outputs = (_text(f"training {self.current.label} for {steps} steps ..."),)
         self._thread = threading.Thread(target=self._run, args=(self.config(), self.current, steps), daemon=True)
@@ -247,6 +247,8 @@ class Explorer:
         except Exception as e:  # shown in the dashboard; the job's own traceback went to the log
             self.run_error = f"{type(e).__name__}: {e}"
             self.measured.outputs = (_text(f"the run failed: {self.run_error}"),)
+        finally:
+            self.run_button.disabled = False
 
     # --------------------------------------------------------------------- drawing
 
@@ -337,6 +339,12 @@ class Explorer:
         if not self._quiet:
             self.load(change["new"])
             self.refresh()
+
+    def _on_run(self, _) -> None:
+        try:
+            self.run_here()
+        except ValueError as e:  # the layout changed since the button was drawn
+            self.measured.outputs = (_text(str(e)),)
 
     def _on_knob(self, change) -> None:
         if self._quiet:
