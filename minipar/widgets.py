@@ -77,7 +77,7 @@ class Explorer:
         if model not in SIZES or cluster not in [*Cluster.PRESETS, THIS]:
             raise ValueError(f"model must be one of {list(SIZES)} and cluster one of {[*Cluster.PRESETS, THIS]}, "
                              f"got {model!r}, {cluster!r}")
-        small = dict(layout=w.Layout(width="190px"))
+        small = dict(layout=w.Layout(width="200px"), style=dict(description_width="initial"))
         self.model = w.Dropdown(options=[*SIZES, "custom"], value=model, description="model").add_class("minipar-model")
         self.shape = {k: w.BoundedIntText(min=1, max=1_000_000, description=k, layout=w.Layout(width="180px"))
                       for k in SHAPE}
@@ -86,7 +86,8 @@ class Explorer:
         self.nodes = w.BoundedIntText(value=nodes, min=1, max=128, description="nodes")
         self.kind2 = w.Dropdown(options=["none", *Cluster.PRESETS], value="none", description="+ nodes of")
         self.nodes2 = w.BoundedIntText(value=1, min=1, max=128, description="nodes")
-        self.batch = w.BoundedIntText(value=global_batch, min=1, max=1_000_000, description="global batch")
+        self.batch = w.BoundedIntText(value=global_batch, min=1, max=1_000_000, description="global batch",
+                                      style=dict(description_width="initial"))
         self.batch.add_class("minipar-batch")
         self.search = w.ToggleButtons(options=["full", "quick"], value=search, description="search")
         self.pick = w.BoundedIntText(value=1, min=1, max=1, description="load plan #")
@@ -99,12 +100,12 @@ class Explorer:
             "zero": w.Dropdown(options=[0, 1, 2, 3], description="ZeRO", **small),
             "recompute": w.Dropdown(options=RECOMPUTE, description="recompute", **small),
             "precision": w.Dropdown(options=PRECISIONS, value=precision, description="precision", **small),
-            "sequence_parallel": w.Checkbox(description="sequence parallel", **small),
+            "sequence_parallel": w.Checkbox(description="sequence parallel", indent=False, **small),
             "micro_batch": w.BoundedIntText(min=1, max=4096, description="micro-batch", **small),
             "dp_mode": w.Dropdown(options=DP_MODES, value="bucketed", description="DP mode", **small),
             "bucket_mb": w.BoundedFloatText(value=25.0, min=0.01, max=1e6, description="bucket MiB", **small),
             "collectives": w.Dropdown(options=COLLECTIVES, description="collectives", **small),
-            "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", **small)}.items()}
+            "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", indent=False, **small)}.items()}
         self.summary = w.HTML().add_class("minipar-summary")
         self.error_box = w.HTML().add_class("minipar-error")
         self.pin_button = w.Button(description="pin as A", tooltip="keep this layout to compare").add_class("minipar-pin")
@@ -401,7 +402,7 @@ def _ab(a, b) -> str:
         return "<i>pin a layout as A to compare it with the knobs' (B) side by side</i>"
     rows = [("step s", a.step_time, b.step_time), ("MFU", a.mfu, b.mfu),
             ("GiB", a.total_memory / GiB, b.total_memory / GiB)] + [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
-    cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td><td>{y / x if x else float('nan'):.3f}</td></tr>"
+    cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td><td>{f'{y / x:.3f}' if x else '-'}</td></tr>"
                     for name, x, y in rows)
     return (f"<table><tr><th></th><th>A: {html.escape(a.label)}</th><th>B: {html.escape(b.label)}</th><th>B / A</th>"
             f"</tr>{cells}</table>")
