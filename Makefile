@@ -13,13 +13,21 @@ TORCH ?= torch==2.13.0
 
 setup: .venv/done
 
+# tests/test_browser.py drives Debian's Chromium (`playwright install` cannot download browsers here): install
+# it where apt-get exists and it is missing, as root or through sudo; elsewhere the test skips and says why.
+browser:
+	@command -v chromium >/dev/null || ! command -v apt-get >/dev/null || \
+	{ if [ "$$(id -u)" = 0 ]; then sudo=; elif command -v sudo >/dev/null; then sudo=sudo; else \
+	  echo "Chromium missing and neither root nor sudo: tests/test_browser.py will skip"; exit 0; fi; \
+	  $$sudo apt-get update -q && $$sudo apt-get install -y -q chromium; }
+
 train: setup   ## the main job: a short data-parallel training run (2 ranks) on the bundled corpus
 	$(PY) -m minipar train --dp 2 $(ARGS)
 
-test: setup    ## every test: pytest and the notebooks under nbval
+test: setup browser  ## every test: pytest, the notebooks under nbval, the explorer in Chromium
 	$(PY) -m pytest --nbval-lax -q $(ARGS)
 
 bench: setup   ## side-by-side benchmarks against PyTorch's own implementations
 	$(PY) bench/run.py $(ARGS)
 
-.PHONY: setup train test bench
+.PHONY: setup browser train test bench
