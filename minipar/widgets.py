@@ -108,7 +108,8 @@ class Explorer:
             "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", indent=False, **small)}.items()}
         self.summary = w.HTML().add_class("minipar-summary")
         self.error_box = w.HTML().add_class("minipar-error")
-        self.pin_button = w.Button(description="pin as A", tooltip="keep this layout to compare").add_class("minipar-pin")
+        self.pin_button = w.Button(description="pin as A", tooltip="keep this layout to compare")
+        self.pin_button.add_class("minipar-pin")
         self.ab = w.HTML().add_class("minipar-ab")
         self.plots = w.Output().add_class("minipar-plots")
         self.ranking = w.Output().add_class("minipar-ranking")
@@ -127,7 +128,8 @@ class Explorer:
             *(w.HBox([self.knobs[k] for k in KNOBS[i:i + 5]]) for i in range(0, len(KNOBS), 5)),
             self.summary, self.error_box, w.HBox([self.pin_button, self.ab]), self.plots,
             w.HBox([self.run_button, self.progress]), self.measured,
-            w.HTML("<b>The planner's ranking</b> and why each runner-up loses"), self.ranking]).add_class("minipar-explorer")
+            w.HTML("<b>The planner's ranking</b> and why each runner-up loses"), self.ranking])
+        self.widget.add_class("minipar-explorer")
         self.model.observe(self._on_model, names="value")
         for c in [*self.shape.values(), self.kind, self.nodes, self.kind2, self.nodes2, self.batch, self.search]:
             c.observe(self._on_plan, names="value")
@@ -278,14 +280,14 @@ class Explorer:
         return plots, ranking
 
     def refresh(self) -> None:
-        """Redraw the dashboard's own outputs."""
-        self.summary.value = _summary(self.current, (self.estimates or [None])[0])
+        """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is drawn."""
         self.error_box.value = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
         self.ab.value = _ab(self.pinned, self.current)
         reason = self.why_not_run()
         self.run_button.disabled, self.run_button.tooltip = reason is not None, reason or "train it here"
         plots, ranking = self.outputs()
         self.plots.outputs, self.ranking.outputs = tuple(plots), tuple(ranking)
+        self.summary.value = _summary(self.current, (self.estimates or [None])[0])
 
     def render(self, ranking: bool = True) -> None:
         """Draw the state into the current cell output (for notebooks run without a browser)."""
@@ -381,7 +383,8 @@ def _summary(est, best) -> str:
     par, cfg = est.par, est.cfg
     data = dict(label=est.label, step_time=est.step_time, mfu=est.mfu, tflops=est.tflops_per_gpu,
                 memory=est.total_memory, capacity=est.capacity, fits=est.fits, micro_batch=est.micro_batch,
-                global_batch=est.global_batch, cluster=est.cluster.name, breakdown=est.breakdown,
+                global_batch=est.global_batch, cluster=est.cluster.name, nodes=est.cluster.nodes,
+                gpus=est.cluster.world, breakdown=est.breakdown,
                 model={k: getattr(cfg, k) for k in SHAPE},
                 **{k: getattr(par, k) for k in KNOBS if k != "micro_batch"})
     vs = f", {est.step_time / best.step_time:.3f}x the winner's" if best else ""
@@ -416,8 +419,8 @@ def _measured(est, res) -> list[dict]:
     predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]
     pairs = {f"rank {r}": pair for r, pair in enumerate(zip(predicted, res.peak_memory))}
     steps = res.step_times[1:] or res.step_times
-    out = [_text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured {statistics.median(steps) * 1e3:.1f}"
-                 f" ms (median of {len(steps)})"),
+    out = [_text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured "
+                 f"{statistics.median(steps) * 1e3:.1f} ms (median of {len(steps)})"),
            _png(viz.memory_compare({"predicted (left) and measured (right)": pairs}, title="memory per rank"))]
     if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
         first = [r for r, c in enumerate(coords) if c.dp_rank == 0 and c.tp_rank == 0]
