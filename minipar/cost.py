@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from minipar import memory, pipeline
+from minipar import memory
 
 GiB = 2 ** 30
 

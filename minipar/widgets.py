@@ -24,34 +24,27 @@ from __future__ import annotations
 
 import base64
 import html
-import io
-import json
-import statistics
 import threading
 
 import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from minipar import viz, viz_planner
+from minipar import viz, viz_explorer, viz_planner
 from minipar.config import COLLECTIVES, DP_MODES, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
-from minipar.cost import GiB, Cluster
-from minipar.mesh import Mesh
+from minipar.cost import Cluster
 from minipar.model import GPTConfig
-from minipar.pipeline import Timeline
-from minipar.planner import TERMS, estimate, explain, format_table, plan
+from minipar.planner import estimate, explain, format_table, plan
+from minipar.viz_explorer import KNOBS, SHAPE
 
 # the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's presets
 PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144), "175B": dict(n_layer=96, n_head=96, d_model=12288),
              "530B": dict(n_layer=105, n_head=128, d_model=20480), "1T": dict(n_layer=128, n_head=160, d_model=25600)}
 SIZES = {**GPTConfig.PRESETS, **{k: dict(v, vocab_size=51200, seq_len=2048) for k, v in PUBLISHED.items()}}
-SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
 THIS = "this machine"
 QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtual_stages=(2,), zero=(0, 1))
 HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))  # this machine times each layer
 HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small models only
-KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision", "sequence_parallel",
-         "micro_batch", "dp_mode", "bucket_mb", "collectives", "reduce_fp32")
 MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds to draw)
 RUN_STEPS, RUN_TIMEOUT = 4, 300
 
@@ -234,7 +227,7 @@ class Explorer:
             raise ValueError(f"cannot run here: {reason}")
         self.result, self.run_error, self.run_button.disabled = None, None, True
         self.progress.value, self.progress.max = 0, steps
-        self.measured.outputs = (_text(f"training {self.current.label} for {steps} steps ..."),)
+        self.measured.outputs = (viz_explorer.text(f"training {self.current.label} for {steps} steps ..."),)
         self._thread = threading.Thread(target=self._run, args=(self.config(), self.current, steps), daemon=True)
         self._thread.start()
         if wait:
@@ -246,10 +239,10 @@ class Explorer:
         try:
             self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch, timeout=RUN_TIMEOUT,
                                 on_step=lambda loss, tokens: setattr(self.progress, "value", self.progress.value + 1))
-            self.measured.outputs = tuple(_measured(est, self.result))
+            self.measured.outputs = tuple(viz_explorer.measured(est, self.result))
         except Exception as e:  # shown in the dashboard; the job's own traceback went to the log
             self.run_error = f"{type(e).__name__}: {e}"
-            self.measured.outputs = (_text(f"the run failed: {self.run_error}"),)
+            self.measured.outputs = (viz_explorer.text(f"the run failed: {self.run_error}"),)
         finally:
             self.run_button.disabled = False
 
@@ -257,7 +250,7 @@ class Explorer:
 
     def outputs(self) -> tuple[list, list]:
         """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as text."""
-        ranking = [_text(self.plan_error)] if self.plan_error else [_text(
+        ranking = [viz_explorer.text(self.plan_error)] if self.plan_error else [viz_explorer.text(
             f"{len(self.estimates)} layouts fit; the fastest ten:\n{format_table(self.estimates, top=10)}\n\n"
             + explain(self.estimates))]
         est, best = self.current, (self.estimates or [None])[0]
@@ -270,24 +263,24 @@ class Explorer:
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2], layout="constrained")
         viz_planner.breakdown(bars, ax=ax_t)
         viz_planner.memory_stages(est, ax=ax_m, title="memory per GPU of each stage (the knobs)")
-        plots = [_png(fig)]
+        plots = [viz_explorer.png(fig)]
         boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * (3 if est.par.schedule == "zb-h1" else 2)
         if boxes > MAX_BOXES:
-            plots.append(_text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
+            plots.append(viz_explorer.text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
         else:
             tl = viz_planner.timeline(est)
-            plots.append(_png(viz.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
+            plots.append(viz_explorer.png(viz.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
         return plots, ranking
 
     def refresh(self) -> None:
         """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is drawn."""
         self.error_box.value = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
-        self.ab.value = _ab(self.pinned, self.current)
+        self.ab.value = viz_explorer.ab(self.pinned, self.current)
         reason = self.why_not_run()
         self.run_button.disabled, self.run_button.tooltip = reason is not None, reason or "train it here"
         plots, ranking = self.outputs()
         self.plots.outputs, self.ranking.outputs = tuple(plots), tuple(ranking)
-        self.summary.value = _summary(self.current, (self.estimates or [None])[0])
+        self.summary.value = viz_explorer.summary(self.current, (self.estimates or [None])[0])
 
     def render(self, ranking: bool = True) -> None:
         """Draw the state into the current cell output (for notebooks run without a browser)."""
@@ -295,7 +288,7 @@ class Explorer:
         if self.error:
             print(self.error)
         elif self.current is not None:
-            display(w.HTML(_summary(self.current, (self.estimates or [None])[0])))
+            display(w.HTML(viz_explorer.summary(self.current, (self.estimates or [None])[0])))
         for out in plots + (ranked if ranking else []):
             if out["output_type"] == "stream":
                 print(out["text"], end="")
@@ -347,7 +340,7 @@ class Explorer:
         try:
             self.run_here()
         except ValueError as e:  # the layout changed since the button was drawn
-            self.measured.outputs = (_text(str(e)),)
+            self.measured.outputs = (viz_explorer.text(str(e)),)
 
     def _on_knob(self, change) -> None:
         if self._quiet:
@@ -358,77 +351,3 @@ class Explorer:
             self._set(**knobs)
         self.update()
         self.refresh()
-
-
-# ----------------------------------------------------------------------------- the parts drawn
-
-
-def _text(s: str) -> dict:
-    return {"output_type": "stream", "name": "stdout", "text": s.rstrip("\n") + "\n"}
-
-
-def _png(fig) -> dict:
-    """A figure as an Output widget's output (PNG), and closed: set from any thread, in any kernel."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=72)
-    plt.close(fig)
-    return {"output_type": "display_data", "metadata": {},
-            "data": {"image/png": base64.b64encode(buf.getvalue()).decode(), "text/plain": "<Figure>"}}
-
-
-def _summary(est, best) -> str:
-    """The estimate as a line of text, and as JSON in `data-estimate` (for tests that read the page)."""
-    if est is None:
-        return ""
-    par, cfg = est.par, est.cfg
-    data = dict(label=est.label, step_time=est.step_time, mfu=est.mfu, tflops=est.tflops_per_gpu,
-                memory=est.total_memory, capacity=est.capacity, fits=est.fits, micro_batch=est.micro_batch,
-                global_batch=est.global_batch, cluster=est.cluster.name, nodes=est.cluster.nodes,
-                gpus=est.cluster.world, breakdown=est.breakdown,
-                model={k: getattr(cfg, k) for k in SHAPE},
-                **{k: getattr(par, k) for k in KNOBS if k != "micro_batch"})
-    vs = f", {est.step_time / best.step_time:.3f}x the winner's" if best else ""
-    fits = "fits" if est.fits else "<b style='color:#b00'>does NOT fit</b>"
-    return (f"<div data-estimate='{html.escape(json.dumps(data), quote=True)}'><b>{html.escape(est.label)}</b> "
-            f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step <b>{est.step_time:.4g} s</b>"
-            f"{vs}; MFU <b>{est.mfu:.1%}</b>, {est.tflops_per_gpu:.3g} TFLOP/s a GPU; fullest GPU "
-            f"<b>{_size(est.total_memory)}</b> of {_size(est.capacity)}: {fits}</div>")
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
-
-
-def _ab(a, b) -> str:
-    """Layout A (pinned) beside B (the knobs): step, MFU, memory and each term, with B / A."""
-    if a is None or b is None:
-        return "<i>pin a layout as A to compare it with the knobs' (B) side by side</i>"
-    rows = [("step s", a.step_time, b.step_time), ("MFU", a.mfu, b.mfu),
-            ("GiB", a.total_memory / GiB, b.total_memory / GiB)] + [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
-    cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td><td>{f'{y / x:.3f}' if x else '-'}</td></tr>"
-                    for name, x, y in rows)
-    return (f"<table><tr><th></th><th>A: {html.escape(a.label)}</th><th>B: {html.escape(b.label)}</th><th>B / A</th>"
-            f"</tr>{cells}</table>")
-
-
-def _measured(est, res) -> list[dict]:
-    """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`, per rank:
-    the planner's per-stage figure is its DP rank 0, the fullest under ZeRO), the step, the pipeline."""
-    par = est.par
-    coords = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
-    predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]
-    pairs = {f"rank {r}": pair for r, pair in enumerate(zip(predicted, res.peak_memory))}
-    steps = res.step_times[1:] or res.step_times
-    out = [_text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured "
-                 f"{statistics.median(steps) * 1e3:.1f} ms (median of {len(steps)})"),
-           _png(viz.memory_compare({"predicted (left) and measured (right)": pairs}, title="memory per rank"))]
-    if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
-        first = [r for r, c in enumerate(coords) if c.dp_rank == 0 and c.tp_rank == 0]
-        measured = Timeline.from_events([res.timelines[r] for r in sorted(first, key=lambda r: coords[r].pp_rank)])
-        predicted = viz_planner.timeline(est)
-        fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True, layout="constrained")
-        viz.gantt(predicted, ax=axes[0], title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
-        viz.gantt(measured, ax=axes[1], title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
-        axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
-        out.append(_png(fig))
-    return out
