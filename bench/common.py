@@ -16,6 +16,22 @@ def add_timing_arguments(parser, defaults: dict) -> None:
                         help="intra-op threads per rank (0: launch's choice, CPUs // world)")
 
 
+def settings(defaults: dict, args=None, overrides: dict | None = None) -> dict:
+    """A benchmark's settings: `defaults`, then parsed `args` (bench/run.py), then keyword `overrides`."""
+    given = {k: v for k, v in (vars(args) if args else {}).items() if k in defaults}
+    return {**defaults, **given, **(overrides or {})}
+
+
+def launch_rounds(worlds, launches: int, start) -> dict[int, list]:
+    """{world: [start(world, i) for launch i]}, round by round: launch i of every world before launch
+    i + 1 of any, so that the machine's drift over the run falls on every world alike."""
+    results = {world: [] for world in worlds}
+    for i in range(launches):
+        for world in results:
+            results[world].append(start(world, i))
+    return results
+
+
 def version() -> str:
     """The commit the code ran at ("-dirty": with uncommitted changes), or "?" outside a git checkout."""
     try:

@@ -29,7 +29,8 @@ import torch
 
 import minipar
 from minipar import demos
-from common import RESULTS, add_timing_arguments, main  # bench/ is on sys.path
+import common  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), scaling=(1, 2, 4), model="small-cpu", batch=4, bucket_mb=2.0, reps=8,
                 warmup=2, launches=2, threads=1)
@@ -48,21 +49,19 @@ def add_arguments(parser) -> None:
     add_timing_arguments(parser, DEFAULTS)
 
 
-def run(args=None, out_dir=RESULTS, **settings) -> str:
+def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write ddp.md and ddp.png to out_dir; return the markdown tables.
 
     Called as bench/run.py does, run(args, out_dir) with parsed arguments, or from Python with
     keywords, run(worlds=(2,), reps=4); anything not given takes DEFAULTS.
     """
-    s = {**DEFAULTS, **{k: v for k, v in (vars(args) if args else {}).items() if k in DEFAULTS}, **settings}
+    s = common.settings(DEFAULTS, args, overrides)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(exist_ok=True)
-    launches = {world: [] for world in sorted({*s["worlds"], *s["scaling"]})}
-    for _ in range(s["launches"]):
-        for world in launches:
-            launches[world].append(minipar.launch(
-                demos.compare_ddp, world, s["model"], s["batch"], s["bucket_mb"], s["reps"], s["warmup"],
-                s["threads"] or None, timeout=1800))
+    worlds = sorted({*s["worlds"], *s["scaling"]})
+    launches = common.launch_rounds(worlds, s["launches"], lambda world, _: minipar.launch(
+        demos.compare_ddp, world, s["model"], s["batch"], s["bucket_mb"], s["reps"], s["warmup"],
+        s["threads"] or None, timeout=1800))
     rows = {world: summarise(world, runs) for world, runs in launches.items()}
     md = table([r for world in s["worlds"] for r in rows[world]])
     scale = scaling_table({w: rows[w] for w in s["scaling"]})

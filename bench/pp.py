@@ -54,7 +54,8 @@ from minipar import data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline import Timeline, schedule, simulate
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
-from common import RESULTS, add_timing_arguments, main, version  # bench/ is on sys.path
+import common  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main, version
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_layer=8, microbatches=8, rows=2, reps=6, warmup=2,
                 launches=2, threads=1)
@@ -218,21 +219,18 @@ def worker(cfg: GPTConfig, rows: int, m: int, reps: int, warmup: int, threads: i
 # ----------------------------------------------------------------------------- in the caller
 
 
-def run(args=None, out_dir=RESULTS, **settings) -> str:
+def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write pp.md and pp.png to out_dir; return the markdown table.
 
     run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
     """
-    s = {**DEFAULTS, **{k: v for k, v in (vars(args) if args else {}).items() if k in DEFAULTS}, **settings}
+    s = common.settings(DEFAULTS, args, overrides)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(exist_ok=True)
     cfg = model_config(s)
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    launches = {world: [] for world in s["worlds"]}
-    for _ in range(s["launches"]):
-        for world in launches:
-            launches[world].append(minipar.launch(worker, world, cfg, s["rows"], s["microbatches"], s["reps"],
-                                                  s["warmup"], s["threads"], timeout=1800))
+    launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, _: minipar.launch(
+        worker, world, cfg, s["rows"], s["microbatches"], s["reps"], s["warmup"], s["threads"], timeout=1800))
     rows = [row for world, runs in launches.items() for row in summarise(world, runs, s)]
     checks = check_table(launches)
     md, ops = table(rows), op_table(launches)

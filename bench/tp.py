@@ -52,7 +52,8 @@ from minipar import comm, data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.tensor_parallel import TPGroup, apply_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy
 from minipar.train import make_optimizer
-from common import RESULTS, add_timing_arguments, main  # bench/ is on sys.path
+import common  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("tp/minipar", "tp/torch", "tp+sp/torch", "dtensor")
@@ -204,12 +205,12 @@ def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> 
 # ----------------------------------------------------------------------------- in the caller
 
 
-def run(args=None, out_dir=RESULTS, **settings) -> str:
+def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write tp.md and tp.png to out_dir; return the markdown table.
 
     run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
     """
-    s = {**DEFAULTS, **{k: v for k, v in (vars(args) if args else {}).items() if k in DEFAULTS}, **settings}
+    s = common.settings(DEFAULTS, args, overrides)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(exist_ok=True)
     cfg = model_config(s)
@@ -218,11 +219,8 @@ def run(args=None, out_dir=RESULTS, **settings) -> str:
             if getattr(cfg, field) % t:
                 raise ValueError(f"t = {t} must divide the model's {field} ({getattr(cfg, field)}): see --n-head")
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    launches = {world: [] for world in s["worlds"]}
-    for _ in range(s["launches"]):
-        for world in launches:
-            launches[world].append(minipar.launch(worker, world, cfg, s["batch"], s["reps"], s["warmup"],
-                                                  s["threads"], timeout=1800, on_line=_quiet))
+    launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, _: minipar.launch(
+        worker, world, cfg, s["batch"], s["reps"], s["warmup"], s["threads"], timeout=1800, on_line=_quiet))
     rows = [row for world, runs in launches.items() for row in summarise(world, runs)]
     md, checks, verdict, notes = table(rows), sanity(rows), verdicts(rows), findings(rows)
     command = (f"python bench/run.py tp --worlds {' '.join(map(str, s['worlds']))} --model {s['model']} "

@@ -60,7 +60,8 @@ from minipar import comm, data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
 from minipar.zero import Zero3, ZeroOptimizer
-from common import RESULTS, add_timing_arguments, main, version  # bench/ is on sys.path
+import common  # bench/ is on sys.path
+from common import RESULTS, add_timing_arguments, main, version
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("zero3/minipar", "zero3/torch", "fsdp2", "zero1/minipar", "zero1/torch", "ddp+zero-r")
@@ -226,20 +227,17 @@ def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory:
 # ----------------------------------------------------------------------------- in the caller
 
 
-def run(args=None, out_dir=RESULTS, **settings) -> str:
+def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write zero.md and zero.png to out_dir; return the markdown table.
 
     run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
     """
-    s = {**DEFAULTS, **{k: v for k, v in (vars(args) if args else {}).items() if k in DEFAULTS}, **settings}
+    s = common.settings(DEFAULTS, args, overrides)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(exist_ok=True)
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    launches = {world: [] for world in s["worlds"]}
-    for i in range(s["launches"]):
-        for world in launches:
-            launches[world].append(minipar.launch(worker, world, s["model"], s["batch"], s["reps"], s["warmup"],
-                                                  s["threads"], i == 0, timeout=1800))
+    launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, i: minipar.launch(
+        worker, world, s["model"], s["batch"], s["reps"], s["warmup"], s["threads"], i == 0, timeout=1800))
     rows = [row for world, runs in launches.items() for row in summarise(world, runs)]
     md = table(rows)
     verdict = verdicts(rows)
