@@ -1,8 +1,10 @@
 """What the step-time benchmarks (ddp, zero, tp, pp) share: their timing options and the commit they ran at."""
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
+import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"  # tables and plots
 
@@ -30,6 +32,24 @@ def launch_rounds(worlds, launches: int, start) -> dict[int, list]:
         for world in results:
             results[world].append(start(world, i))
     return results
+
+
+def start(out_dir) -> tuple[pathlib.Path, tuple[float, float]]:
+    """Before a run: its output folder (made) and what `footer` needs (the load average, the time)."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(exist_ok=True)
+    return out_dir, (os.getloadavg()[0], time.perf_counter())
+
+
+def footer(threads: int, since: tuple[float, float], command: str) -> str:
+    """The results' last lines: the machine, torch, the threads per rank, the load before and after the run
+    (`since`, from `start`), its length, the commit, and the command that repeats it."""
+    import torch
+    load_before, started = since
+    per_rank = f"{threads} intra-op thread(s) per rank" if threads else "max(1, CPUs // N) threads per rank"
+    return (f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}; {per_rank}; 1-minute load average "
+            f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s "
+            f"in all; minipar at {version()}.\nCommand: `{command}`\n")
 
 
 def version() -> str:

@@ -20,12 +20,10 @@ gap between it and the others is the cost of communication.
 from __future__ import annotations
 
 import os
-import pathlib
 import statistics
 
 import sys
 
-import torch
 
 import minipar
 from minipar import demos
@@ -56,8 +54,7 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     keywords, run(worlds=(2,), reps=4); anything not given takes DEFAULTS.
     """
     s = common.settings(DEFAULTS, args, overrides)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(exist_ok=True)
+    out_dir, since = common.start(out_dir)
     worlds = sorted({*s["worlds"], *s["scaling"]})
     launches = common.launch_rounds(worlds, s["launches"], lambda world, _: minipar.launch(
         demos.compare_ddp, world, s["model"], s["batch"], s["bucket_mb"], s["reps"], s["warmup"],
@@ -77,12 +74,9 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters, {4 * cfg.num_params / 2**20:.1f} MiB "
              f"of fp32 gradients; {s['batch']} x {cfg.seq_len} tokens per rank; buckets of "
              f"{s['bucket_mb']:g} MiB.")
-    threads = (f"{s['threads']} intra-op thread(s) per rank" if s["threads"]
-               else "max(1, CPUs // N) threads per rank")
     (out_dir / "ddp.md").write_text(
         f"# data parallel: minipar DataParallel vs torch DDP (gloo), fp32\n\n{__doc__.strip()}\n\n{setup}\n\n"
-        f"{md}\n\n{verdict}\n\n## Weak scaling\n\n{scale}\n\nMachine: {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}; {threads}.\nCommand: `{command}`\n")
+        f"{md}\n\n{verdict}\n\n## Weak scaling\n\n{scale}\n\n{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "ddp.png")
     return f"{setup}\n\n{md}\n\n{verdict}\n\n{scale}"
 

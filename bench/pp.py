@@ -39,8 +39,6 @@ what its executor would reach with free communication. "busy": the slowest rank'
 """
 from __future__ import annotations
 
-import os
-import pathlib
 import statistics
 import time
 
@@ -55,7 +53,7 @@ from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline import Timeline, schedule, simulate
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
 import common  # bench/ is on sys.path
-from common import RESULTS, add_timing_arguments, main, version
+from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_layer=8, microbatches=8, rows=2, reps=6, warmup=2,
                 launches=2, threads=1)
@@ -225,10 +223,8 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
     """
     s = common.settings(DEFAULTS, args, overrides)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(exist_ok=True)
+    out_dir, since = common.start(out_dir)
     cfg = model_config(s)
-    load_before, started = os.getloadavg()[0], time.perf_counter()
     launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, _: minipar.launch(
         worker, world, cfg, s["rows"], s["microbatches"], s["reps"], s["warmup"], s["threads"], timeout=1800))
     rows = [row for world, runs in launches.items() for row in summarise(world, runs, s)]
@@ -244,16 +240,12 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
              f"{s['microbatches']} micro-batches of {s['rows']} x {cfg.seq_len} tokens per step; activations "
              f"between chunks {s['rows']} x {cfg.seq_len} x {cfg.d_model} fp32 "
              f"({4 * s['rows'] * cfg.seq_len * cfg.d_model / 2**10:.0f} KiB a message).")
-    threads = (f"{s['threads']} intra-op thread(s) per rank" if s["threads"]
-               else "max(1, CPUs // N) threads per rank")
     (out_dir / "pp.md").write_text(
         f"# pipeline parallel: minipar PipelineExecutor vs torch.distributed.pipelining (gloo), fp32\n\n"
         f"{__doc__.strip()}\n\n{setup}\n\n## Same computation\n\n{checks}\n\n## Step time\n\n{md}\n\n{verdict}\n\n"
         f"## Time per action (median, all ranks and repetitions)\n\n{ops}\n\n{notes(rows, launches)}"
         f"![step time and bubble](pp.png)\n\n"
-        f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}; {threads}; 1-minute load average "
-        f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s "
-        f"in all; minipar at {version()}.\nCommand: `{command}`\n")
+        f"{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "pp.png")
     return f"{setup}\n\n{checks}\n\n{md}\n\n{verdict}\n\n{ops}\n\n{notes(rows, launches)}"
 

@@ -35,8 +35,6 @@ median over all ranks.
 """
 from __future__ import annotations
 
-import os
-import pathlib
 import statistics
 import time
 import warnings
@@ -211,14 +209,12 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
     """
     s = common.settings(DEFAULTS, args, overrides)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(exist_ok=True)
+    out_dir, since = common.start(out_dir)
     cfg = model_config(s)
     for t in s["worlds"]:
         for field in ("n_head", "d_model", "vocab_size", "seq_len"):
             if getattr(cfg, field) % t:
                 raise ValueError(f"t = {t} must divide the model's {field} ({getattr(cfg, field)}): see --n-head")
-    load_before, started = os.getloadavg()[0], time.perf_counter()
     launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, _: minipar.launch(
         worker, world, cfg, s["batch"], s["reps"], s["warmup"], s["threads"], timeout=1800, on_line=_quiet))
     rows = [row for world, runs in launches.items() for row in summarise(world, runs)]
@@ -229,13 +225,10 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     setup = (f"Model `{s['model']}` with n_head = {cfg.n_head} (l {cfg.n_layer}, h {cfg.d_model}, V "
              f"{cfg.vocab_size}, s {cfg.seq_len}: {cfg.num_params:,} parameters, the same model for every t); "
              f"{s['batch']} x {cfg.seq_len} tokens per step, the same on every rank.")
-    threads = (f"{s['threads']} intra-op thread(s) per rank" if s["threads"]
-               else "max(1, CPUs // N) threads per rank")
     (out_dir / "tp.md").write_text(
         f"# tensor parallelism: minipar vs DTensor (gloo), fp32\n\n{__doc__.strip()}\n\n{setup}\n\n{checks}\n\n"
-        f"{md}\n\n{verdict}\n\n{notes}\n\n![step time by phase](tp.png)\n\nMachine: {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}; {threads}; 1-minute load average {load_before:.1f} before the run, "
-        f"{os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s in all.\nCommand: `{command}`\n")
+        f"{md}\n\n{verdict}\n\n{notes}\n\n![step time by phase](tp.png)\n\n"
+        f"{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "tp.png")
     return f"{setup}\n\n{checks}\n\n{md}\n\n{verdict}\n\n{notes}"
 

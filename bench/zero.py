@@ -41,8 +41,6 @@ peer's; the first step's must be equal, later ones differ by reduction order onl
 from __future__ import annotations
 
 import gc
-import os
-import pathlib
 import statistics
 import time
 import warnings
@@ -61,7 +59,7 @@ from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
 from minipar.zero import Zero3, ZeroOptimizer
 import common  # bench/ is on sys.path
-from common import RESULTS, add_timing_arguments, main, version
+from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("zero3/minipar", "zero3/torch", "fsdp2", "zero1/minipar", "zero1/torch", "ddp+zero-r")
@@ -233,9 +231,7 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
     """
     s = common.settings(DEFAULTS, args, overrides)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(exist_ok=True)
-    load_before, started = os.getloadavg()[0], time.perf_counter()
+    out_dir, since = common.start(out_dir)
     launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, i: minipar.launch(
         worker, world, s["model"], s["batch"], s["reps"], s["warmup"], s["threads"], i == 0, timeout=1800))
     rows = [row for world, runs in launches.items() for row in summarise(world, runs)]
@@ -247,15 +243,10 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
                f"--threads {s['threads']}")
     setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters ({4 * cfg.num_params / 2**20:.1f} MiB in fp32, "
              f"P below); {s['batch']} x {cfg.seq_len} tokens per rank.")
-    threads = (f"{s['threads']} intra-op thread(s) per rank" if s["threads"]
-               else "max(1, CPUs // N) threads per rank")
     (out_dir / "zero.md").write_text(
         f"# ZeRO: minipar vs FSDP2 and ZeroRedundancyOptimizer (gloo), fp32\n\n{__doc__.strip()}\n\n{setup}\n\n"
         f"{md}\n\n{verdict}\n\n{findings(rows, cfg)}![step time and memory](zero.png)\n\n"
-        f"Machine: {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}; {threads}; 1-minute load average {load_before:.1f} before the run, "
-        f"{os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s in all; minipar at {version()}.\n"
-        f"Command: `{command}`\n")
+        f"{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "zero.png")
     return f"{setup}\n\n{md}\n\n{verdict}"
 
