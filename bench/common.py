@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import statistics
 import subprocess
 import time
 
@@ -50,6 +51,15 @@ def footer(threads: int, since: tuple[float, float], command: str) -> str:
     return (f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}; {per_rank}; 1-minute load average "
             f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after; {time.perf_counter() - started:.0f} s "
             f"in all; minipar at {version()}.\nCommand: `{command}`\n")
+
+
+def ratios(slowest: list[dict], ours: str, theirs: str) -> dict:
+    """ours / theirs step by step, from per launch {variant: each repetition's slowest-rank time}
+    (`minipar.demos.slowest_rank`): the median of every ratio, and the lowest and highest launch's median."""
+    per_launch = [[a / b for a, b in zip(launch[ours], launch[theirs])] for launch in slowest]
+    medians = [statistics.median(launch) for launch in per_launch]
+    return dict(ratio=statistics.median(r for launch in per_launch for r in launch), ratio_lo=min(medians),
+                ratio_hi=max(medians))
 
 
 def version() -> str:

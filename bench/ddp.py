@@ -84,17 +84,12 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
 def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
     """One row per variant from every launch (runs[launch][rank] = compare_ddp's result)."""
     slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
-    per_launch = {name: [launch[name] for launch in slowest] for name in slowest[0]}
-    local = statistics.median(t for launch in per_launch["local"] for t in launch)
+    local = statistics.median(t for launch in slowest for t in launch["local"])
     rows = []
-    for name, launches in per_launch.items():
-        steps = [t for launch in launches for t in launch]
-        ratios = [[a / b for a, b in zip(ours, ddp)] for ours, ddp in zip(launches, per_launch["ddp"])]
+    for name in slowest[0]:
+        steps = [t for launch in slowest for t in launch[name]]
         rows.append(dict(
-            world=world, variant=name, step=statistics.median(steps),
-            ratio=statistics.median(r for launch in ratios for r in launch),
-            ratio_lo=min(statistics.median(launch) for launch in ratios),
-            ratio_hi=max(statistics.median(launch) for launch in ratios),
+            world=world, variant=name, step=statistics.median(steps), **common.ratios(slowest, name, "ddp"),
             over_local=statistics.median(steps) - local,
             sync=statistics.median(t for by_rank in runs for rank in by_rank for t in rank["sync"][name]),
             tokens_per_s=world * runs[0][0]["tokens"] / statistics.median(steps),

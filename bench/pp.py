@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import data
+from minipar import data, demos
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline import Timeline, schedule, simulate
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
@@ -278,8 +278,7 @@ def _simulated(name: str, by_rank: list[dict], p: int, m: int) -> tuple[float, f
 
 def summarise(world: int, runs: list[list[dict]], s: dict) -> list[dict]:
     """One row per PAIRS entry from every launch (runs[launch][rank] = worker's result)."""
-    slowest = [{name: [max(ts) for ts in zip(*(r["step"][name] for r in by_rank))] for name in by_rank[0]["step"]}
-               for by_rank in runs]
+    slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
     rows = []
     for row in PAIRS:
         ours, theirs = pair_names(row)
@@ -293,11 +292,7 @@ def summarise(world: int, runs: list[list[dict]], s: dict) -> list[dict]:
             out[f"{side}_bubble"] = statistics.median(b for launch in bubbles for b in launch)
             out[f"{side}_busy"] = statistics.median(b for launch in busy for b in launch)
         if "ours_step" in out and "theirs_step" in out:
-            ratios = [[a / b for a, b in zip(launch[ours], launch[theirs])] for launch in slowest]
-            out |= dict(ratio=statistics.median(r for launch in ratios for r in launch),
-                        ratio_lo=min(statistics.median(launch) for launch in ratios),
-                        ratio_hi=max(statistics.median(launch) for launch in ratios),
-                        reps=sum(len(launch) for launch in ratios))
+            out |= common.ratios(slowest, ours, theirs) | dict(reps=sum(len(launch[ours]) for launch in slowest))
         if "ours_step" in out:
             out["sim_equal"], out["sim_measured"] = _simulated(ours, runs[0], world, s["microbatches"])
         rows.append(out)

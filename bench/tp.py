@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import comm, data
+from minipar import comm, data, demos
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.tensor_parallel import TPGroup, apply_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy
 from minipar.train import make_optimizer
@@ -240,18 +240,14 @@ def _quiet(rank: int, line: str) -> bool:
 
 def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
     """One row per variant from every launch (runs[launch][rank] = worker's result)."""
-    slowest = [{name: [max(ts) for ts in zip(*(r["step"][name] for r in by_rank))] for name in VARIANTS}
-               for by_rank in runs]
+    slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
     every = lambda phase, name: [t for by_rank in runs for r in by_rank for t in r[phase][name]]  # noqa: E731
     rows = []
     for name in VARIANTS:
-        ratios = [[a / b for a, b in zip(launch[name], launch[PEER])] for launch in slowest]
         firsts = [(r["losses"][name][0], r["losses"][PEER][0]) for by_rank in runs for r in by_rank]
         rows.append(dict(
             world=world, variant=name, step=statistics.median(t for launch in slowest for t in launch[name]),
-            ratio=statistics.median(r for launch in ratios for r in launch),
-            ratio_lo=min(statistics.median(launch) for launch in ratios),
-            ratio_hi=max(statistics.median(launch) for launch in ratios),
+            **common.ratios(slowest, name, PEER),
             **{phase: statistics.median(every(phase, name)) for phase in ("forward", "backward", "opt")},
             first_loss=firsts[0][0], first_diff=max(abs(a - b) for a, b in firsts),
             loss_diff=max(abs(a - b) / abs(b) for by_rank in runs for r in by_rank

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import minipar
-from minipar import comm, data
+from minipar import comm, data, demos
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
 from minipar.zero import Zero3, ZeroOptimizer
@@ -253,24 +253,19 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
 
 def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
     """One row per variant from every launch (runs[launch][rank] = worker's result)."""
-    slowest = [{name: [max(ts) for ts in zip(*(r["step"][name] for r in by_rank))] for name in VARIANTS}
-               for by_rank in runs]
+    slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
     memory = [rank["memory"] for rank in runs[0]]  # first launch, by rank
     rows = []
     for name in VARIANTS:
         peer = PEER[name]
         steps = [t for launch in slowest for t in launch[name]]
-        ratios = [[a / b for a, b in zip(launch[name], launch[peer])] for launch in slowest]
         loss_diff = max(abs(a - b) / abs(b) for by_rank in runs for rank in by_rank
                         for a, b in zip(rank["losses"][name], rank["losses"][peer]))
         first_equal = all(rank["losses"][name][0] == rank["losses"][peer][0]
                           for by_rank in runs for rank in by_rank)
         fullest = lambda key, v=name: max(m[v][key] for m in memory)
         rows.append(dict(
-            world=world, variant=name, peer=peer, step=statistics.median(steps),
-            ratio=statistics.median(r for launch in ratios for r in launch),
-            ratio_lo=min(statistics.median(launch) for launch in ratios),
-            ratio_hi=max(statistics.median(launch) for launch in ratios),
+            world=world, variant=name, peer=peer, step=statistics.median(steps), **common.ratios(slowest, name, peer),
             opt=statistics.median(t for by_rank in runs for rank in by_rank for t in rank["opt"][name]),
             peak=fullest("peak"), after_forward=fullest("after_forward"), between=fullest("between"),
             gathered=fullest("gathered"),
