@@ -304,9 +304,6 @@ def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
 # ----------------------------------------------------------------------------- memory per pipeline rank
 
 
-actions = memory.schedule_actions
-
-
 def model_states(par, sizes: list[int], per: dict) -> dict[str, float]:
     """Model states and comm buffers of one GPU holding `sizes` parameters (ZeRO-3 units), as memory.predict."""
     n, stage, psi = par.dp, par.zero, sum(sizes)

@@ -221,7 +221,7 @@ def _pipeline(cfg, est):
     x = b * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
     sync, step, bandwidth = cpu.link(2)
     latency = sync + step + x / bandwidth if p > 1 else 0.0
-    actions = pipeline.schedule(par.schedule if p > 1 else "1f1b", p, m, par.virtual_stages)
+    actions = memory.schedule_actions(par.schedule if p > 1 else "1f1b", p, m, par.virtual_stages)
     return prof, actions, chunks, work, wait, latency
 
 

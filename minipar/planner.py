@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from minipar import memory, pipeline
 from minipar.config import SCHEDULES, ParallelConfig
-from minipar.cost import (GiB, Cluster, Work, actions, chunk_cost, chunk_params, chunk_units, dp_time, optimizer_time,
+from minipar.cost import (GiB, Cluster, Work, chunk_cost, chunk_params, chunk_units, dp_time, optimizer_time,
                           p2p, stage_memory)
 
 TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm", "optimizer")
@@ -171,7 +171,7 @@ def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, l
     """(makespan, busy per rank) of a schedule; costs are normalised by the caller so that layouts with
     the same proportions share one simulation."""
     cost = {"F": list(F), "B": list(B), "W": list(W)}
-    tl = pipeline.simulate(actions(name, p, m, v), p, m, v, cost=cost, latency=latency)
+    tl = pipeline.simulate(memory.schedule_actions(name, p, m, v), p, m, v, cost=cost, latency=latency)
     return tl.makespan, tl.busy
 
 

@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from minipar import pipeline, planner
-from minipar.cost import GiB, actions, p2p
-from minipar.memory import CATEGORIES
+from minipar.cost import GiB, p2p
+from minipar.memory import CATEGORIES, schedule_actions
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 TERM_COLOURS = dict(zip(planner.TERMS, ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#C8C8C8", "#DA8BC3",
@@ -45,7 +45,7 @@ def timeline(est, attention: str = "flash") -> pipeline.Timeline:
     latency = p2p(message, cluster.link(planner._ranks(par, replica=j)[::par.tp])) if par.pp > 1 else 0.0
     p, m, v = par.pp, est.shares[j], par.virtual_stages
     per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
-    return pipeline.simulate(actions(par.schedule, p, m, v), p, m, v, cost=per_op, latency=latency)
+    return pipeline.simulate(schedule_actions(par.schedule, p, m, v), p, m, v, cost=per_op, latency=latency)
 
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:

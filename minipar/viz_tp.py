@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-import numpy as np
 from matplotlib.figure import Figure
 
 RANK_COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
