@@ -208,6 +208,12 @@ class PipelineExecutor:
         depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n, m in c.named_modules()}
         self.owners = {k: sorted((m for m in c.modules() if any(True for _ in m.parameters())),
                                  key=lambda m: -depth[id(m)]) for k, c in self.chunks.items()}
+        # split mode: each F records what those modules output (hooks set once, live only during an F: a
+        # recomputed forward in B must not add to it)
+        self._captured = None
+        if self.split:
+            for m in {id(m): m for ms in self.owners.values() for m in ms}.values():
+                m.register_forward_hook(self._capture)
         self.peak_in_flight = 0
         # a stated, synthetic throttle for demonstrations (train_rank's slow_ranks, demos_hetero.py): after
         # each action, sleep (slowdown - 1) times what it took, as a device slowdown times slower would
@@ -254,14 +260,11 @@ class PipelineExecutor:
 
     def _forward(self, c: int, j: int, inputs, targets) -> float:
         x = inputs[j] if c == 0 else self._receive(("F", c - 1, j)).detach().requires_grad_()
-        start, captured = time.perf_counter(), []
-        hooks = [m.register_forward_hook(lambda mod, i, out: captured.append((mod, out)))
-                 for m in self.owners[c]] if self.split else []
+        start, self._captured = time.perf_counter(), [] if self.split else None
         try:
             out = self.chunks[c](x)
         finally:
-            for h in hooks:
-                h.remove()
+            captured, self._captured = self._captured or [], None
         if c == self.n_chunks - 1:
             loss = self.loss_fn(out, targets[j]) / self.m
             self._loss += loss.detach()
@@ -286,6 +289,10 @@ class PipelineExecutor:
         if c > 0:
             self._send(("B", c, j), dx)
         return start
+
+    def _capture(self, module, inputs, output) -> None:
+        if self._captured is not None:
+            self._captured.append((module, output))
 
     def _assign(self, c: int, captured: list) -> list:
         """[(module, output, params)]: each parameter to the deepest module that ran on it. A module the
