@@ -87,11 +87,12 @@ def _group_info(group) -> tuple[int, int, list[int]]:
     return dist.get_rank(group), len(ranks), ranks
 
 
-def _isend(tensor: torch.Tensor, dst: int, group, kind: str):
-    """Start sending to global rank dst and count the bytes; None for an empty tensor (nothing moves)."""
+def _isend(tensor: torch.Tensor, dst: int, group, kind: str, calls: int = 0):
+    """Start sending to global rank dst and count the bytes (and `calls`: a ring step is not a call of its
+    own, a pipeline's message is); None for an empty tensor (nothing moves)."""
     if not tensor.numel():
         return None
-    record(kind, tensor.numel() * tensor.element_size())
+    record(kind, tensor.numel() * tensor.element_size(), calls)
     return dist.isend(tensor, dst, group)
 
 

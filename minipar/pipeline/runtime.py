@@ -232,11 +232,10 @@ class PipelineExecutor:
             assert not send or k in self._outbox, f"message {k} to rank {peer} is due before {key}, not made yet"
             if send:
                 t = self._outbox.pop(k)
-                comm.record("p2p", t.numel() * t.element_size(), calls=1)
-                self._sends.append((dist.isend(t, self.ranks[peer], self.group), t))
+                self._sends.append((comm._isend(t, self.ranks[peer], self.group, "p2p", calls=1), t))
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self._inbox[k] = (buf, dist.irecv(buf, self.ranks[peer], self.group))
+                self._inbox[k] = (buf, comm._irecv(buf, self.ranks[peer], self.group))
             self._posted[peer] += 1
             if k == key:
                 return
@@ -343,8 +342,7 @@ class PipelineExecutor:
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             timeline.append((a, start, time.perf_counter()))
-        for work, _ in self._sends:
-            work.wait()
+        comm._wait(*(work for work, _ in self._sends))
         assert not self._saved and not self._inbox and not self._outbox, "a message or activation was left over"
         self._sends = []
         return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), timeline
