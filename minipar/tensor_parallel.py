@@ -363,7 +363,9 @@ def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
                                                                    again in backward (not stored)
              all_reduce      the loss's, as above, + once a step 2(t-1)/t g (6 l h + s h + 2 h),
                              the partial gradients (g bytes a gradient element)
-    times par.microbatches. Nothing is sent when t = 1.
+    times par.microbatches. Full recomputation (recompute.py) runs each layer's forward again in backward,
+    as far as the backward needs it: up to the attention's g, so + l all-reduces of X (SP: + l reduce-
+    scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent when t = 1.
     """
     t, l = par.tp, cfg.n_layer
     if t == 1:
@@ -371,13 +373,13 @@ def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
     b = par.dp_rows(global_batch)[dp_rank] // par.microbatches
     e = 4 if par.precision == "fp32" else 2
     x, stats, ring = b * cfg.seq_len * cfg.d_model * e, 4 * b * cfg.seq_len, (t - 1) / t
-    m = par.microbatches
+    m, again = par.microbatches, l * (par.recompute == "full")  # the layers' recomputed forwards
     if par.sequence_parallel:
         partial = 6 * l * cfg.d_model + cfg.seq_len * cfg.d_model + 2 * cfg.d_model
-        sent = {"reduce_scatter": m * (4 * l + 2) * ring * x,
-                "all_gather": m * ((6 * l + 3) * ring * x + (t - 1) * stats),
+        sent = {"reduce_scatter": m * (4 * l + 2 + again) * ring * x,
+                "all_gather": m * ((6 * l + 3 + 2 * again) * ring * x + (t - 1) * stats),
                 "all_reduce": m * 2 * 2 * ring * stats + 2 * ring * partial * e}
     else:
-        sent = {"all_reduce": m * ((4 * l + 2) * 2 * ring * x + 2 * 2 * ring * stats),
+        sent = {"all_reduce": m * ((4 * l + 2 + again) * 2 * ring * x + 2 * 2 * ring * stats),
                 "all_gather": m * (t - 1) * stats}
     return {("torch_" if par.collectives == "torch" else "") + k: v for k, v in sent.items()}

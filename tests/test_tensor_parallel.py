@@ -70,6 +70,19 @@ def test_layout_invariance_and_traffic(cfg, par, reference):
         assert predicted == measured and 0 <= extra <= 4 * 2 * len(res.state_dict)  # + Adam's step counters
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["no SP", "SP"])
+def test_full_recomputation_repeats_the_forward_collectives_it_needs(sp, reference):
+    par = ParallelConfig(tp=2, sequence_parallel=sp, recompute="full")
+    res = minipar.train(TINY, par, **KW)
+    assert_same_training(res, reference[TINY])
+    plain = tensor_parallel.traffic(TINY, par.replace(recompute="none"), BATCH)
+    expected = tensor_parallel.traffic(TINY, par, BATCH)
+    assert res.comm_bytes[0] == pytest.approx({k: STEPS * v for k, v in expected.items()}, rel=1e-12)
+    x, l = BATCH * TINY.seq_len * TINY.d_model * 4, TINY.n_layer  # one micro-batch; ring (t-1)/t = 1/2
+    more = {"reduce_scatter": l * x / 2, "all_gather": 2 * l * x / 2} if sp else {"all_reduce": l * x}
+    assert {k: expected[k] - plain[k] for k in more} == pytest.approx(more, rel=1e-12)
+
+
 def test_two_all_reduces_per_layer_each_way():
     """Bytes of the layers' all-reduces per layer per micro-batch: 8 b s h e (t-1)/t (REFERENCES.md)."""
     par, deeper = ParallelConfig(tp=2), TINY.replace(n_layer=6)
