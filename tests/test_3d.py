@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minipar
-import workers_tp
+from minipar import demos_3d
 from minipar.config import ParallelConfig
 from minipar.train import TrainResult
 from reference import assert_same_training
@@ -61,7 +61,7 @@ def test_every_factorisation_equals_the_single_process_run(world, reference):
     layouts = matrix(world)
     for par in layouts:
         par.check(CFG, BATCH)
-    ranks = minipar.launch(workers_tp.train_layouts, world, CFG, layouts, STEPS, BATCH, timeout=900)
+    ranks = minipar.launch(demos_3d.layouts, world, CFG, layouts, STEPS, BATCH, 1e-3, 0.1, None, True, timeout=900)
     for par, run in zip(layouts, ranks[0]):
         res = TrainResult(losses=run["losses"], step_times=[], tokens_per_s=0, mfu=0, peak_memory=[],
                           predicted_memory=[], comm_bytes=[], comm_calls=[], state_dict=run["state"])

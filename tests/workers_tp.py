@@ -110,10 +110,3 @@ def cross_entropy_check(vocab: int = 96) -> dict:
         tpm.vocab_parallel_cross_entropy(model(targets), targets, tp).backward()
     return dict(loss=loss.item(), ref=cross_entropy(logits, targets).item(),
                 grad=_rel(part.grad, logits.grad.tensor_split(tp.size, -1)[tp.rank]), widths=shapes.sizes)
-
-
-def train_layouts(cfg, layouts, steps, global_batch):
-    """train_rank for each layout of this launch's world, one after the other (groups made afresh)."""
-    from minipar.train import train_rank
-    torch.set_num_threads(1)
-    return [train_rank(cfg, par, steps, global_batch, 1e-3, 0.1, 0, "synthetic", True) for par in layouts]
