@@ -55,7 +55,7 @@ def footer(threads: int, since: tuple[float, float], command: str) -> str:
 
 def ratios(slowest: list[dict], ours: str, theirs: str) -> dict:
     """ours / theirs step by step, from per launch {variant: each repetition's slowest-rank time}
-    (`minipar.demos.slowest_rank`): the median of every ratio, and the lowest and highest launch's median."""
+    (`minipar.lessons.demos.slowest_rank`): the median of every ratio, and the lowest and highest launch's median."""
     per_launch = [[a / b for a, b in zip(launch[ours], launch[theirs])] for launch in slowest]
     medians = [statistics.median(launch) for launch in per_launch]
     return dict(ratio=statistics.median(r for launch in per_launch for r in launch), ratio_lo=min(medians),

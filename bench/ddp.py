@@ -1,6 +1,6 @@
 """minipar's DataParallel against torch's DistributedDataParallel: training step time, fp32, gloo.
 
-Every variant of `minipar.demos.DP_VARIANTS` trains the same model (same seed) on the same batch in the
+Every variant of `minipar.lessons.demos.DP_VARIANTS` trains the same model (same seed) on the same batch in the
 same worker processes, with the same bucket size (DDP's bucket_cap_mb = minipar's bucket_mb):
 "local" (no gradient sync: the compute floor), "ddp", and minipar naive / bucketed with its own ring
 ("/minipar", on a communication thread) or the backend's async all-reduce ("/torch"). A repetition
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import statistics
-
 import sys
 
-
-import minipar
-from minipar import demos
 import common  # bench/ is on sys.path
 from common import RESULTS, add_timing_arguments, main
+
+import minipar
+from minipar.lessons import demos
 
 DEFAULTS = dict(worlds=(2, 4), scaling=(1, 2, 4), model="small-cpu", batch=4, bucket_mb=2.0, reps=8,
                 warmup=2, launches=2, threads=1)

@@ -40,20 +40,20 @@ what its executor would reach with free communication. "busy": the slowest rank'
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
-import sys
-
+import common  # bench/ is on sys.path
 import torch
 import torch.distributed as dist
+from common import RESULTS, add_timing_arguments, main
 
 import minipar
-from minipar import data, demos
+from minipar import data
+from minipar.lessons import demos
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline import Timeline, schedule, simulate
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
-import common  # bench/ is on sys.path
-from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_layer=8, microbatches=8, rows=2, reps=6, warmup=2,
                 launches=2, threads=1)

@@ -10,7 +10,11 @@ import argparse
 import pathlib
 import sys
 
-import allreduce, ddp, pp, tp, zero  # bench/ is on sys.path (the script's folder), so workers import it by name too
+import allreduce  # bench/ is on sys.path (the script's folder), so workers import it by name too
+import ddp
+import pp
+import tp
+import zero
 
 ENTRIES = {"allreduce": allreduce, "ddp": ddp, "zero": zero, "tp": tp, "pp": pp}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

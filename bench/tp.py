@@ -36,22 +36,27 @@ median over all ranks.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 import warnings
 from collections import Counter
 
-import sys
-
+import common  # bench/ is on sys.path
 import torch
 import torch.distributed as dist
+from common import RESULTS, add_timing_arguments, main
 
 import minipar
-from minipar import comm, data, demos
+from minipar import comm, data
+from minipar.lessons import demos
 from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.tensor_parallel import TPGroup, apply_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy
+from minipar.tensor_parallel import (
+    TPGroup,
+    apply_tp,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
 from minipar.train import make_optimizer
-import common  # bench/ is on sys.path
-from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("tp/minipar", "tp/torch", "tp+sp/torch", "dtensor")
@@ -80,7 +85,11 @@ def model_config(s: dict) -> GPTConfig:
 def dtensor_plan(cfg: GPTConfig) -> dict:
     """parallelize_module's plan: the split of apply_tp, in DTensor's styles (module docstring)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
 
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}

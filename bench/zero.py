@@ -42,24 +42,24 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 import warnings
 import weakref
 from concurrent.futures import Future
 
-import sys
-
+import common  # bench/ is on sys.path
 import torch
 import torch.distributed as dist
+from common import RESULTS, add_timing_arguments, main
 from torch.distributed.tensor import DTensor
 
 import minipar
-from minipar import comm, data, demos
+from minipar import comm, data
+from minipar.lessons import demos
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
 from minipar.zero import Zero3, ZeroOptimizer
-import common  # bench/ is on sys.path
-from common import RESULTS, add_timing_arguments, main
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("zero3/minipar", "zero3/torch", "fsdp2", "zero1/minipar", "zero1/torch", "ddp+zero-r")

@@ -4,13 +4,21 @@
     cfg = minipar.GPTConfig.preset("tiny")
     res = minipar.train(cfg, minipar.ParallelConfig(), steps=20, global_batch=8, data="shakespeare")
 """
-from minipar import comm, demos, pipeline, tensor_parallel
+from minipar import comm, pipeline, tensor_parallel
 from minipar.config import ParallelConfig
-from minipar.cost import Cluster
 from minipar.launch import WorkerError, WorkerTimeout, launch
+from minipar.lessons import demos
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
-from minipar.planner import Estimate, NoFeasiblePlan, estimate, explain, format_table, plan
+from minipar.planner import (
+           Estimate,
+           NoFeasiblePlan,
+           estimate,
+           explain,
+           format_table,
+           plan,
+)
+from minipar.planner.cluster import Cluster
 from minipar.train import TrainResult, train
 
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel",

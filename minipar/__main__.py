@@ -71,7 +71,7 @@ def run_train(args) -> None:
         print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})" if k in pred else "")
                                             for k, v in mem.items()))
     if args.plot:
-        from minipar.viz import loss_curve
+        from minipar.lessons.viz import loss_curve
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         loss_curve({par.label: res.losses}).savefig(args.plot)
         print(f"loss curve saved to {args.plot}")
@@ -97,8 +97,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_plan(args) -> None:
-    from minipar.cost import Cluster
     from minipar.planner import NoFeasiblePlan, explain, format_table, plan
+    from minipar.planner.cluster import Cluster
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
                  if getattr(args, k) is not None}
     cfg, cluster = GPTConfig.preset(args.model, **overrides), Cluster.preset(args.cluster, nodes=args.nodes)

@@ -37,7 +37,6 @@ from minipar.tensor_parallel import full_state_dict, sync_sequence_parallel_grad
 from minipar.zero import Zero3, ZeroOptimizer
 
 
-
 @dataclass
 class TrainResult:
     losses: list[float]                 # global mean loss of each step

@@ -9,12 +9,12 @@ import itertools
 
 import pytest
 import torch
+from reference import assert_same_training
 
 import minipar
-from minipar import demos_3d
 from minipar.config import ParallelConfig
+from minipar.lessons import demos_3d
 from minipar.train import TrainResult
-from reference import assert_same_training
 
 # heads divide by 8 and 6, the sequence by 8 and 6 (SP), 8 layers hold 8 stages or 4 x 2 virtual ones
 CFG = minipar.GPTConfig(n_layer=8, n_head=24, d_model=48, vocab_size=96, seq_len=48)

@@ -16,16 +16,16 @@ import re
 import time
 from pathlib import Path
 
+import browser
 import pytest
 
-import browser
 from minipar import Cluster, GPTConfig, ParallelConfig, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "08_explorer.ipynb"  # the lesson: JupyterLab runs all its cells
 APP = ROOT / "notebooks" / "explorer_app.ipynb"       # the dashboard alone: what Voila serves
 
-# the DOM contract of minipar.widgets.explorer(): ipywidgets' add_class puts these on each widget's root.
+# the DOM contract of minipar.lessons.explorer.explorer(): ipywidgets' add_class puts these on each widget's root.
 # A notebook may show several dashboards: the test drives the first.
 DASHBOARD = ".minipar-explorer"
 KNOB = ".minipar-knob-{}"                   # + " input" (IntText, Checkbox) or " select" (Dropdown)

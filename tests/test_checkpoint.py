@@ -8,11 +8,11 @@ import sys
 import time
 
 import pytest
+from reference import assert_same_training
 
 import minipar
 from minipar import checkpoint
 from minipar.config import ParallelConfig
-from reference import assert_same_training
 
 TINY = minipar.GPTConfig.preset("tiny")
 KW = dict(global_batch=8, lr=1e-3, weight_decay=0.1, seed=0)

@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
+import workers_comm
 
 import minipar
 from minipar import comm
-
-import workers_comm
 
 WORLDS = [2, 3, 4, 5]
 LENGTHS = [1, 7, 1000, 2**20]

@@ -1,11 +1,10 @@
 """Data parallelism equals single-process training, and communicates exactly what its docstring says."""
 import pytest
-import torch
+import workers_dp
+from reference import assert_same_training
 
 import minipar
 from minipar import GPTConfig, ParallelConfig
-from reference import assert_same_training
-import workers_dp
 
 TINY = GPTConfig.preset("tiny")
 STEPS, BATCH = 3, 12           # 12 rows divide by dp in {1, 2, 3, 4} and by dp * 2 micro-batches for dp <= 3

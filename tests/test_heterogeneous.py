@@ -7,12 +7,12 @@ than the uniform layout, timed in the same launch.
 """
 import pytest
 import torch
+from reference import assert_same_training
 
 import minipar
 from minipar import ParallelConfig, data
-from minipar.demos_hetero import compare
+from minipar.lessons.demos_hetero import compare
 from minipar.pipeline.runtime import partition
-from reference import assert_same_training
 
 CFG = minipar.GPTConfig.preset("tiny")   # 4 layers
 STEPS, BATCH = 3, 12

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+import workers_launch as w
 
 import minipar
-import workers_launch as w
 
 
 def alive(pid: int) -> bool:

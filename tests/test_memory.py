@@ -8,11 +8,11 @@ How close, and why not closer:
 """
 import pytest
 import torch
+import workers_dp
 
 import minipar
 from minipar import GPTConfig, ParallelConfig, data, memory
 from minipar.model import cross_entropy
-import workers_dp
 
 ODD = GPTConfig.preset("tiny", vocab_size=97)   # 216,353 parameters: every flat buffer pads at dp = 2, 3
 STEPS, BATCH = 1, 12

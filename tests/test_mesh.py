@@ -1,10 +1,10 @@
 """The dp x tp x pp grid: tp innermost, pp outermost, and groups along each axis."""
 import pytest
+import workers_launch as w
 
 import minipar
 from minipar import Mesh
 from minipar.mesh import Coords
-import workers_launch as w
 
 
 def test_layout_is_tp_innermost_then_dp_then_pp():

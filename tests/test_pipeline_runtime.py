@@ -3,13 +3,19 @@ import collections
 
 import pytest
 import torch
+import workers_pp
+from reference import rel_diff
 
 import minipar
 from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.pipeline.runtime import PipelineExecutor, build_chunk, free_unused, message_order, partition
+from minipar.pipeline.runtime import (
+    PipelineExecutor,
+    build_chunk,
+    free_unused,
+    message_order,
+    partition,
+)
 from minipar.train import make_optimizer
-from reference import rel_diff
-import workers_pp
 
 A = collections.namedtuple("A", "op stage microbatch")  # any object with .op .stage .microbatch will do
 TINY = GPTConfig.preset("tiny", seq_len=32)              # 4 layers: 3 stages split them 2 + 1 + 1

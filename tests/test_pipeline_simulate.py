@@ -7,7 +7,7 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minipar import viz  # noqa: E402
+from minipar.lessons import viz_pipeline  # noqa: E402
 from minipar.pipeline import Action, Timeline, schedule, simulate, to_chrome_trace  # noqa: E402
 
 UNIT = {"F": 1.0, "B": 1.0}  # no W: B is the whole backward, as long as the forward
@@ -85,11 +85,11 @@ def test_timeline_from_measured_events():
                                            ("zb-h1", 4, 8, 1), ("1f1b", 1, 1, 1)])
 def test_gantt_and_chrome_trace(name, p, m, v, tmp_path):
     tl = simulate(schedule(name, p, m, v), p, m, v)
-    fig = viz.gantt(tl)
+    fig = viz_pipeline.gantt(tl)
     fig.savefig(tmp_path / "g.png")
     plt.close(fig)
     fig, ax = plt.subplots()
-    assert viz.gantt(tl, ax=ax, title="x") is fig
+    assert viz_pipeline.gantt(tl, ax=ax, title="x") is fig
     plt.close(fig)
     trace = to_chrome_trace(tl, tmp_path / "t.json")
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]

@@ -6,10 +6,10 @@ and final weights (fp32, 1e-5). The point-to-point bytes are the formula's; 1F1B
 activations than GPipe; layouts that cannot run fail before any process starts.
 """
 import pytest
+from reference import assert_same_training
 
 import minipar
 from minipar.config import ParallelConfig
-from reference import assert_same_training
 
 CFG = minipar.GPTConfig.preset("tiny", n_layer=8)   # 8 layers: 4 ranks x 2 virtual stages fit
 STEPS, BATCH = 3, 12

@@ -9,9 +9,18 @@ import pytest
 
 from minipar import memory
 from minipar.config import ParallelConfig
-from minipar.cost import GiB, Cluster, calibrate, layer_cost, model_states, Work
 from minipar.model import GPTConfig
-from minipar.planner import TERMS, NoFeasiblePlan, candidates, estimate, explain, format_table, plan
+from minipar.planner import (
+    TERMS,
+    NoFeasiblePlan,
+    candidates,
+    estimate,
+    explain,
+    format_table,
+    plan,
+)
+from minipar.planner.cluster import Cluster, GiB
+from minipar.planner.gpu_time import Work, calibrate, layer_cost, model_states
 
 A100 = "dgx-a100-80g"
 

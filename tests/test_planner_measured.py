@@ -32,12 +32,11 @@ import statistics
 
 import pytest
 
-from minipar import calibrate, cost_cpu, layer_profile, memory, pipeline
+from minipar import memory, pipeline
 from minipar.config import ParallelConfig as P
-from minipar.cost import Cluster
 from minipar.launch import launch
 from minipar.model import GPTConfig
-from minipar.planner import estimate
+from minipar.planner import calibrate, cpu_time, estimate, layer_profile
 
 TINY = GPTConfig.preset("tiny")                                  # l 4, h 64, s 64: Python-bound
 WIDE = GPTConfig.preset("small-cpu", n_layer=4, seq_len=64)      # h 192: more of the time in matmuls
@@ -78,14 +77,14 @@ def _measure(world: int) -> list[dict]:
     cpu = calibrate.with_links(None, [x["links"] for r in ranks for x in r["layouts"]], ranks[0]["machine"])
     rows = []
     for i, (cfg, par, global_batch) in enumerate(jobs):
-        est = estimate(cfg, par, Cluster.from_cpu(cpu), global_batch, global_batch // (par.dp * par.microbatches))
+        est = estimate(cfg, par, calibrate.cluster_of(cpu), global_batch, global_batch // (par.dp * par.microbatches))
         steps = ranks[0]["layouts"][i]["step_times"][1:]
         measured_memory = max(sum(r["layouts"][i]["memory"][c] for c in memory.CATEGORIES) for r in ranks)
         calls = {k: v / STEPS for k, v in ranks[0]["layouts"][i]["calls"].items() if k != "p2p"}
         rows.append(dict(layout=f"{'tiny' if cfg == TINY else 'wide'} {par.label}", cpu=cpu,
                          asserted=LAYOUTS[world][i][3], others=ranks[0]["layouts"][i]["others"],
                          time=(est.step_time, statistics.median(steps)), memory=(est.total_memory, measured_memory),
-                         calls=(cost_cpu.collective_calls(cfg, est), calls)))
+                         calls=(cpu_time.collective_calls(cfg, est), calls)))
     return rows
 
 
@@ -172,7 +171,7 @@ def test_shared_replay_is_the_simulator_when_every_rank_has_its_cores(name, p, m
     if name != "zb-h1":
         cost["W"] = [0.0] * chunks
     roomy = dataclasses.replace(CPU, world=p, cores=64)
-    span, _ = cost_cpu.replay_shared(pipeline.schedule(name, p, m, v), chunks, cost,
+    span, _ = cpu_time.replay_shared(pipeline.schedule(name, p, m, v), chunks, cost,
                                      {op: [0.0] * chunks for op in cost}, 0.3, 1, roomy)
     assert span == pytest.approx(pipeline.simulate(pipeline.schedule(name, p, m, v), p, m, v, cost, 0.3).makespan)
 
@@ -180,21 +179,21 @@ def test_shared_replay_is_the_simulator_when_every_rank_has_its_cores(name, p, m
 def test_shared_replay_time_shares_the_cores():
     work, wait = {"F": [1.0], "B": [2.0], "W": [0.0]}, {"F": [0.5], "B": [0.0], "W": [0.0]}
     one_core = dataclasses.replace(CPU, cores=1, world=2)
-    alone, _ = cost_cpu.replay_shared(pipeline.schedule("1f1b", 1, 3), 1, work, wait, 0.0, 1, one_core)
-    shared, spent = cost_cpu.replay_shared(pipeline.schedule("1f1b", 1, 3), 1, work, wait, 0.0, 2, one_core)
+    alone, _ = cpu_time.replay_shared(pipeline.schedule("1f1b", 1, 3), 1, work, wait, 0.0, 1, one_core)
+    shared, spent = cpu_time.replay_shared(pipeline.schedule("1f1b", 1, 3), 1, work, wait, 0.0, 2, one_core)
     assert alone == pytest.approx(3 * 3.5) and shared == pytest.approx(3 * (2 * 3 + 0.5))  # waits are not shared
     assert spent[0] == pytest.approx([18.0, 1.5])
     acts, two = pipeline.schedule("1f1b", 2, 4), {op: [x[0]] * 2 for op, x in work.items()}
     free = {op: [0.0] * 2 for op in two}
     unshared = pipeline.simulate(acts, 2, 4, 1, two).makespan
-    span, _ = cost_cpu.replay_shared(acts, 2, two, free, 0.0, 1, one_core)
+    span, _ = cpu_time.replay_shared(acts, 2, two, free, 0.0, 1, one_core)
     assert span >= 2 * 4 * 3.0 - 1e-9 and span > unshared  # one core does both ranks' work
 
 
 def test_cpu_cluster_estimates_need_the_calibrated_world():
-    cluster = Cluster.from_cpu(CPU)
+    cluster = calibrate.cluster_of(CPU)
     assert cluster.world == 2 and cluster.peak_flops == CPU.matmul and cluster.cpu is CPU
-    with pytest.raises(ValueError, match=r"world=4 ranks.*use Cluster.this_machine\(world=1\)"):
+    with pytest.raises(ValueError, match=r"world=4 ranks.*use planner.this_machine\(world=1\)"):
         estimate(TINY, P(), dataclasses.replace(cluster, gpus_per_node=4, cpu=dataclasses.replace(CPU, world=4)), 4)
     assert CPU.sharing == 1 and dataclasses.replace(CPU, world=4, share=0.5).sharing == 1  # 4 ranks on 2 cores
     assert dataclasses.replace(CPU, share=0.8).sharing == 0.8

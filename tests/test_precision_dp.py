@@ -7,11 +7,11 @@ weight is 2^-8 of it; fp32 is held to 1e-5 by the other tests.
 """
 import pytest
 import torch
+import workers_dp
+from reference import rel_diff
 
 import minipar
 from minipar import GPTConfig, ParallelConfig
-from reference import rel_diff
-import workers_dp
 
 TINY = GPTConfig.preset("tiny")
 STEPS, BATCH = 4, 12

@@ -5,14 +5,13 @@ recomputes the attention core, which with fused attention saves only its log-sum
 """
 import pytest
 import torch
+from reference import assert_same_training
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minipar
-from minipar import memory
 from minipar.config import ParallelConfig
 from minipar.model import GPT, cross_entropy
 from minipar.recompute import apply_recompute
-from reference import assert_same_training
 
 TINY = minipar.GPTConfig.preset("tiny")
 KW = dict(steps=3, global_batch=8, lr=1e-3, weight_decay=0.1, seed=0, return_state=True)

@@ -8,13 +8,12 @@ per layer equals Korthikanti et al.'s formula less what minipar does not store, 
 vocabulary never appears in a tensor.
 """
 import pytest
-import torch
+import workers_tp
+from reference import assert_same_training
 
 import minipar
-import workers_tp
 from minipar import memory, tensor_parallel
 from minipar.config import ParallelConfig
-from reference import assert_same_training
 
 TINY = minipar.GPTConfig.preset("tiny")          # 4 layers, 4 heads, h 64, V 96, s 64
 THREE = minipar.GPTConfig(n_layer=2, n_head=6, d_model=48, vocab_size=96, seq_len=24)  # tp = 3 divides

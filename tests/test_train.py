@@ -2,10 +2,10 @@
 import math
 
 import torch
+from reference import assert_same_training
 
 import minipar
 from minipar import GPTConfig, ParallelConfig
-from reference import assert_same_training
 
 TINY = GPTConfig.preset("tiny")
 

@@ -1,4 +1,4 @@
-"""The strategy explorer (minipar.widgets) without a browser: its controls move the estimate it shows.
+"""The strategy explorer (minipar.lessons.explorer) without a browser: its controls move the estimate it shows.
 
 test_browser.py drives the same dashboard in JupyterLab and Voila; here each control's `value` is set as
 the browser would set it, and what the dashboard shows is read back: the summary's JSON (`data-estimate`),
@@ -9,8 +9,10 @@ import re
 
 import pytest
 
-from minipar import Cluster, GPTConfig, ParallelConfig, cost_cpu, estimate, viz_planner
-from minipar.widgets import KNOBS, explorer
+from minipar import Cluster, GPTConfig, ParallelConfig, estimate
+from minipar.lessons import viz_planner
+from minipar.lessons.explorer import KNOBS, explorer
+from minipar.planner import cpu_time, this_machine
 
 
 def shown(ex) -> dict:
@@ -92,11 +94,11 @@ def test_this_machine_refuses_a_model_it_cannot_time():
 
 
 def test_the_cpu_pipeline_drawn_is_the_one_timed():
-    cluster, cfg = Cluster.this_machine(world=2), GPTConfig.preset("tiny")
+    cluster, cfg = this_machine(world=2), GPTConfig.preset("tiny")
     est = estimate(cfg, ParallelConfig(pp=2, microbatches=4), cluster, 8, 2)
     tl = viz_planner.timeline(est)
     assert tl.makespan + est.breakdown["dp_comm"] + est.breakdown["optimizer"] == pytest.approx(est.step_time)
-    assert [len(rank) for rank in tl.events] == [8, 8] and tl == cost_cpu.timeline(cfg, est)
+    assert [len(rank) for rank in tl.events] == [8, 8] and tl == cpu_time.timeline(cfg, est)
 
 
 def test_run_here_trains_and_draws_measured_beside_predicted():

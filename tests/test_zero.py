@@ -1,12 +1,12 @@
 """ZeRO stages 1, 2 and 3 equal single-process AdamW, hold the bytes the formulas say, and send
 2 Psi (stages 1, 2) or 3 Psi (stage 3)."""
 import pytest
+import workers_dp
+from reference import assert_same_training
+from test_data_parallel import Run
 
 import minipar
 from minipar import GPTConfig, ParallelConfig
-from reference import assert_same_training
-import workers_dp
-from test_data_parallel import Run
 
 ODD = GPTConfig.preset("tiny", vocab_size=97)  # 216,353 parameters: padding at dp = 2, 3 and 4
 STEPS, BATCH = 3, 12
@@ -80,6 +80,7 @@ def test_stage_3_really_frees_what_it_gathered():
     """After forward, and after backward, no unit holds its gathered parameters, although autograd
     saved views of the weights (W.t()) in between; and a rank keeps no gradients between steps."""
     import torch
+
     from minipar.model import cross_entropy
     from minipar.zero import Zero3
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ def zero_fp16_overflow(cfg):
     """Two ZeRO-1 fp16 steps; rank 1 poisons its first gradient. Returns (params changed?, scale) a step."""
     import torch
     import torch.distributed as dist
+
     from minipar.model import GPT, cross_entropy
     from minipar.precision import MixedPrecision
     from minipar.zero import ZeroOptimizer

@@ -6,12 +6,12 @@ and returns the relative differences of the output and of the input and weight g
 compared with the part of the reference this rank holds.
 """
 import torch
-import torch.nn as nn
 import torch.distributed as dist
+import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar import tensor_parallel as tpm
-from minipar.model import GPT, GPTConfig, CausalSelfAttention, MLP, cross_entropy
+from minipar.model import GPT, MLP, CausalSelfAttention, GPTConfig, cross_entropy
 
 
 def _rel(a, b):

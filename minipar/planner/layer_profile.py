@@ -1,4 +1,4 @@
-"""The model's own layer, timed: what one rank computes of a micro-batch, for the CPU cost model (cost_cpu.py).
+"""The model's own layer, timed: what one rank computes of a micro-batch, for the CPU cost model (cpu_time.py).
 
 `profile(cfg, b, tp, sp, recompute, precision, threads, mode)` is measured when an estimate first needs
 it (cached per process), in this process with the ranks' thread count, with the real modules of a
@@ -11,7 +11,7 @@ of 15 micro-steps after two warm-ups:
   emb_*, head_* the embeddings alone, and ln_f + head + loss alone (on a random hidden state), timed apart
   action_*      1 block - layer - emb - head: what each action costs besides (the loop's, the executor's)
   ends_w, ends_opt  1 block - layer: W and the optimizer step of the embeddings, ln_f and the head
-The collectives are not in it: cost_cpu.py charges them from the links calibrate.py measures.
+The collectives are not in it: cpu_time.py charges them from the links calibrate.py measures.
 """
 from __future__ import annotations
 
@@ -86,9 +86,9 @@ def micro_step(cfg, b: int, t: int, sp: bool, recompute: str, precision: str, mo
     optimizer step (O): "plain" as train's loop (pp = 1), "pipe" / "split" through a one-rank
     PipelineExecutor (B whole, or B and W)."""
     from minipar import memory
+    from minipar.parallelize import make_optimizer
     from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank
     from minipar.pipeline.schedules import Action
-    from minipar.parallelize import make_optimizer
     model, loss_fn, mp = _model(cfg, t, sp, recompute, precision)
     meter, x = memory.ActivationMeter(), torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
     optimizer = make_optimizer(mp.optimized, 1e-3, 0.0)

@@ -1,12 +1,12 @@
-"""A layout's step time on this machine's CPU cores: cost.py's model, changed where a CPU is different.
+"""A layout's step time on this machine's CPU cores: gpu_time.py's model, changed where a CPU is different.
 
-`planner.estimate` comes here when its Cluster carries a CPU calibration (`Cluster.this_machine`,
+`planner.estimate` comes here when its Cluster carries a CPU calibration (`planner.this_machine`,
 calibrate.py); the memory is the same either way (memory.predict's exact count). What changes, and why:
   compute       the model's own layer, ends, per-action overhead and optimizer step, as
                 `layer_profile.profile` times them (Python and dispatch are most of a small model's time:
                 FLOPs over a peak would miss it several times)
   no overlap    collectives run on the cores that compute, so every TP, PP and DP message is paid in full
-                (cost.py hides DP buckets under the backward; a small model's gradients fill one bucket,
+                (gpu_time.py hides DP buckets under the backward; a small model's gradients fill one bucket,
                 sent after the backward anyway)
   time-sharing  `world` ranks of `threads` threads on `cores` cores: while k ranks compute at once, each
                 runs at speed(k) = min(1, sharing * slots / k), slots = cores // threads (calibrate.CPU).
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 
 from minipar import memory, pipeline
-from minipar.cost import chunk_params, chunk_units
+from minipar.planner.gpu_time import chunk_params, chunk_units
 
 TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2), ln2 (2), fc (2), mlp.proj (2)
 
@@ -201,11 +201,11 @@ def _pipeline(cfg, est):
     par, cpu, b = est.par, est.cluster.cpu, est.micro_batch
     if par.world != cpu.world:
         raise ValueError(f"this CPU calibration is for world={cpu.world} ranks (threads and time-sharing depend "
-                         f"on it); the layout has {par.world}: use Cluster.this_machine(world={par.world})")
+                         f"on it); the layout has {par.world}: use planner.this_machine(world={par.world})")
     if len(set(est.shares)) != 1:
         raise ValueError("the CPU model covers even DP shares only")
     mode = "plain" if par.pp == 1 else "split" if par.schedule == "zb-h1" else "pipe"
-    from minipar.layer_profile import profile
+    from minipar.planner.layer_profile import profile
     prof = profile(cfg, b, par.tp, par.sequence_parallel, par.recompute, par.precision, cpu.threads, mode)
     e, p, chunks, m = 4 if par.precision == "fp32" else 2, par.pp, len(est.layers), est.shares[0]
     tp = tp_comm(cfg, par, b, e, cpu)
@@ -227,7 +227,7 @@ def _pipeline(cfg, est):
 
 def timeline(cfg, est) -> pipeline.Timeline:
     """The pipeline of `est`'s step as `step_time` replays it (seconds; the DP and optimizer time after it
-    left out), for `viz.gantt` beside a measured one."""
+    left out), for `viz_pipeline.gantt` beside a measured one."""
     _, actions, chunks, work, wait, latency = _pipeline(cfg, est)
     events = []
     replay_shared(actions, chunks, work, wait, latency, est.par.dp * est.par.tp, est.cluster.cpu, events)

@@ -2,7 +2,7 @@
 
 Inputs: a model (a preset fills its sizes; editing a size makes it custom), a cluster (a GPU preset and its
 nodes, plus optionally nodes of a second kind: `Cluster.mixed`; or "this machine", its CPU cores as `ranks`
-local gloo ranks, calibrated: `Cluster.this_machine`), a global batch, and every ParallelConfig knob (the
+local gloo ranks, calibrated: `planner.this_machine`), a global batch, and every ParallelConfig knob (the
 micro-batch size b stands for `microbatches` = global batch / (dp b)). On each change it shows the layout's
 `estimate`: step time, MFU and memory of the fullest GPU; the step cut into the planner's terms beside the
 plan's winner and a pinned layout "A"; the memory per GPU of each pipeline stage by category against its
@@ -30,12 +30,19 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from minipar import viz, viz_explorer, viz_planner
-from minipar.config import COLLECTIVES, DP_MODES, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
-from minipar.cost import Cluster
+from minipar.config import (
+    COLLECTIVES,
+    DP_MODES,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    ParallelConfig,
+)
+from minipar.lessons import explorer_html, viz_pipeline, viz_planner
+from minipar.lessons.explorer_html import KNOBS, SHAPE
 from minipar.model import GPTConfig
-from minipar.planner import estimate, explain, format_table, plan
-from minipar.viz_explorer import KNOBS, SHAPE
+from minipar.planner import estimate, explain, format_table, plan, this_machine
+from minipar.planner.cluster import Cluster
 
 # the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's presets
 PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144), "175B": dict(n_layer=96, n_head=96, d_model=12288),
@@ -148,7 +155,7 @@ class Explorer:
             if self.config().num_params > HERE_MAX_PARAMS:
                 raise ValueError(f"this machine times the model's own layers here: choose a model of at most "
                                  f"{HERE_MAX_PARAMS / 1e6:.0f}M parameters (tiny, small-cpu), or a GPU cluster")
-            return Cluster.this_machine(world=world or self.nodes.value)
+            return this_machine(world=world or self.nodes.value)
         first = Cluster.preset(self.kind.value, nodes=self.nodes.value)
         if self.kind2.value == "none":
             return first
@@ -227,7 +234,7 @@ class Explorer:
             raise ValueError(f"cannot run here: {reason}")
         self.result, self.run_error, self.run_button.disabled = None, None, True
         self.progress.value, self.progress.max = 0, steps
-        self.measured.outputs = (viz_explorer.text(f"training {self.current.label} for {steps} steps ..."),)
+        self.measured.outputs = (explorer_html.text(f"training {self.current.label} for {steps} steps ..."),)
         self._thread = threading.Thread(target=self._run, args=(self.config(), self.current, steps), daemon=True)
         self._thread.start()
         if wait:
@@ -239,10 +246,10 @@ class Explorer:
         try:
             self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch, timeout=RUN_TIMEOUT,
                                 on_step=lambda loss, tokens: setattr(self.progress, "value", self.progress.value + 1))
-            self.measured.outputs = tuple(viz_explorer.measured(est, self.result))
+            self.measured.outputs = tuple(explorer_html.measured(est, self.result))
         except Exception as e:  # shown in the dashboard; the job's own traceback went to the log
             self.run_error = f"{type(e).__name__}: {e}"
-            self.measured.outputs = (viz_explorer.text(f"the run failed: {self.run_error}"),)
+            self.measured.outputs = (explorer_html.text(f"the run failed: {self.run_error}"),)
         finally:
             self.run_button.disabled = False
 
@@ -250,7 +257,7 @@ class Explorer:
 
     def outputs(self) -> tuple[list, list]:
         """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as text."""
-        ranking = [viz_explorer.text(self.plan_error)] if self.plan_error else [viz_explorer.text(
+        ranking = [explorer_html.text(self.plan_error)] if self.plan_error else [explorer_html.text(
             f"{len(self.estimates)} layouts fit; the fastest ten:\n{format_table(self.estimates, top=10)}\n\n"
             + explain(self.estimates))]
         est, best = self.current, (self.estimates or [None])[0]
@@ -263,24 +270,24 @@ class Explorer:
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2], layout="constrained")
         viz_planner.breakdown(bars, ax=ax_t)
         viz_planner.memory_stages(est, ax=ax_m, title="memory per GPU of each stage (the knobs)")
-        plots = [viz_explorer.png(fig)]
+        plots = [explorer_html.png(fig)]
         boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * (3 if est.par.schedule == "zb-h1" else 2)
         if boxes > MAX_BOXES:
-            plots.append(viz_explorer.text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
+            plots.append(explorer_html.text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
         else:
             tl = viz_planner.timeline(est)
-            plots.append(viz_explorer.png(viz.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
+            plots.append(explorer_html.png(viz_pipeline.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
         return plots, ranking
 
     def refresh(self) -> None:
         """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is drawn."""
         self.error_box.value = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
-        self.ab.value = viz_explorer.ab(self.pinned, self.current)
+        self.ab.value = explorer_html.ab(self.pinned, self.current)
         reason = self.why_not_run()
         self.run_button.disabled, self.run_button.tooltip = reason is not None, reason or "train it here"
         plots, ranking = self.outputs()
         self.plots.outputs, self.ranking.outputs = tuple(plots), tuple(ranking)
-        self.summary.value = viz_explorer.summary(self.current, (self.estimates or [None])[0])
+        self.summary.value = explorer_html.summary(self.current, (self.estimates or [None])[0])
 
     def render(self, ranking: bool = True) -> None:
         """Draw the state into the current cell output (for notebooks run without a browser)."""
@@ -288,7 +295,7 @@ class Explorer:
         if self.error:
             print(self.error)
         elif self.current is not None:
-            display(w.HTML(viz_explorer.summary(self.current, (self.estimates or [None])[0])))
+            display(w.HTML(explorer_html.summary(self.current, (self.estimates or [None])[0])))
         for out in plots + (ranked if ranking else []):
             if out["output_type"] == "stream":
                 print(out["text"], end="")
@@ -340,7 +347,7 @@ class Explorer:
         try:
             self.run_here()
         except ValueError as e:  # the layout changed since the button was drawn
-            self.measured.outputs = (viz_explorer.text(str(e)),)
+            self.measured.outputs = (explorer_html.text(str(e)),)
 
     def _on_knob(self, change) -> None:
         if self._quiet:

@@ -1,4 +1,4 @@
-"""What the strategy explorer (widgets.py) draws, as Output widget outputs and HTML: set from any thread, in any
+"""What the strategy explorer (explorer.py) draws, as Output widget outputs and HTML: set from any thread, in any
 kernel, without a frontend's display machinery.
 
     text(s), png(fig)       one output each (the figure is closed)
@@ -16,11 +16,11 @@ import statistics
 
 import matplotlib.pyplot as plt
 
-from minipar import viz, viz_planner
-from minipar.cost import GiB
+from minipar.lessons import viz, viz_pipeline, viz_planner
 from minipar.mesh import Mesh
 from minipar.pipeline import Timeline
 from minipar.planner import TERMS
+from minipar.planner.cluster import GiB
 
 SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
 KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision", "sequence_parallel",
@@ -91,8 +91,8 @@ def measured(est, res) -> list[dict]:
         measured = Timeline.from_events([res.timelines[r] for r in sorted(first, key=lambda r: coords[r].pp_rank)])
         predicted = viz_planner.timeline(est)
         fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True, layout="constrained")
-        viz.gantt(predicted, ax=axes[0], title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
-        viz.gantt(measured, ax=axes[1], title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
+        viz_pipeline.gantt(predicted, ax=axes[0], title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
+        viz_pipeline.gantt(measured, ax=axes[1], title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
         axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
         out.append(png(fig))
     return out

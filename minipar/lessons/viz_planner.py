@@ -2,7 +2,7 @@
 matplotlib Figure, except `timeline`, which rebuilds the pipeline timeline an estimate simulated.
 
     timeline(est)             the slowest DP replica's pipeline as `estimate` simulated it: a `pipeline.Timeline`
-                              in seconds, for `viz.gantt`; its makespan + dp_comm + optimizer is the step time
+                              in seconds, for `viz_pipeline.gantt`; its makespan + dp_comm + optimizer is the step time
     memory_stages(est)        memory per GPU of every pipeline stage, stacked by category, beside its capacity
     breakdown(estimates)      step times cut into the planner's terms (planner.TERMS), one bar per estimate
     ratios(rows)              predicted / published for several runs, with a band (e.g. the 10% we promise)
@@ -14,8 +14,10 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from minipar import pipeline, planner
-from minipar.cost import GiB, p2p
+from minipar.planner import predict
 from minipar.memory import CATEGORIES, schedule_actions
+from minipar.planner.cluster import GiB
+from minipar.planner.gpu_time import p2p
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 TERM_COLOURS = dict(zip(planner.TERMS, ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#C8C8C8", "#DA8BC3",
@@ -25,24 +27,24 @@ TERM_COLOURS = dict(zip(planner.TERMS, ["#4C72B0", "#8172B3", "#937860", "#DD845
 def timeline(est, attention: str = "flash") -> pipeline.Timeline:
     """The pipeline of `est`'s slowest DP replica, simulated as `planner.estimate` simulates it: each chunk's
     F, B (and W) seconds a micro-batch from the cost model, each message's point-to-point time as latency.
-    `attention` must be the one the estimate was made with. On `Cluster.this_machine` it is cost_cpu.py's
-    replay instead, with the cores shared (`cost_cpu.timeline`)."""
+    `attention` must be the one the estimate was made with. On `planner.this_machine` it is cpu_time.py's
+    replay instead, with the cores shared (`cpu_time.timeline`)."""
     par, cfg, cluster = est.par, est.cfg, est.cluster
     if cluster.cpu is not None:
-        from minipar import cost_cpu
-        return cost_cpu.timeline(cfg, est)
+        from minipar.planner import cpu_time
+        return cpu_time.timeline(cfg, est)
     slowest, seen = None, set()
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPU kinds) simulate alike
-        key = (m, tuple(cluster.device(r).name for r in planner._ranks(par, replica=j)))
+        key = (m, tuple(cluster.device(r).name for r in predict._ranks(par, replica=j)))
         if key not in seen:
             seen.add(key)
-            span, _, costs = planner._replica_time(cfg, est, j, attention)
+            span, _, costs = predict._replica_time(cfg, est, j, attention)
             if slowest is None or span > slowest[0]:
                 slowest = (span, j, costs)
     _, j, costs = slowest
     e = 4 if par.precision == "fp32" else 2
     message = est.micro_batch * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
-    latency = p2p(message, cluster.link(planner._ranks(par, replica=j)[::par.tp])) if par.pp > 1 else 0.0
+    latency = p2p(message, cluster.link(predict._ranks(par, replica=j)[::par.tp])) if par.pp > 1 else 0.0
     p, m, v = par.pp, est.shares[j], par.virtual_stages
     per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
     return pipeline.simulate(schedule_actions(par.schedule, p, m, v), p, m, v, cost=per_op, latency=latency)
@@ -59,7 +61,7 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
         gib = [est.stages[r].get(cat, 0) / GiB for r in stages]
         ax.bar(list(stages), gib, 0.7, bottom=bottom, color=COLOURS[i], label=cat)
         bottom = [b + g for b, g in zip(bottom, gib)]
-    capacity = [min(est.cluster.device(x).memory_per_gpu for x in planner._ranks(est.par, stage=r)) / GiB
+    capacity = [min(est.cluster.device(x).memory_per_gpu for x in predict._ranks(est.par, stage=r)) / GiB
                 for r in stages]
     ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2, label="capacity")
     if len(est.stages) <= 16:
@@ -130,8 +132,8 @@ def splits(estimates: dict, title: str = "how the work is split") -> Figure:
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(estimates)), sharey=True, layout="constrained")
     for y, (label, e) in enumerate(estimates.items()):
         p = e.par.pp
-        parts = (("layers", e.layers, lambda c: planner._ranks(e.par, stage=c % p)),
-                 ("micro-batches", e.shares, lambda j: planner._ranks(e.par, replica=j)))
+        parts = (("layers", e.layers, lambda c: predict._ranks(e.par, stage=c % p)),
+                 ("micro-batches", e.shares, lambda j: predict._ranks(e.par, replica=j)))
         for ax, (_, counts, ranks_of) in zip(axes, parts):
             left = 0
             for i, n in enumerate(counts):

@@ -1,6 +1,6 @@
 """Plots for the pipeline lesson (05): each function takes plain data and returns a matplotlib Figure.
 
-    gantts(timelines)          several `pipeline.Timeline`s as Gantt charts (`viz.gantt`), one panel each,
+    gantts(timelines)          several `pipeline.Timeline`s as Gantt charts (`viz_pipeline.gantt`), one panel each,
                                stacked on one time axis: schedules side by side, or measured over simulated
     against_m(ms, points)      a quantity against the number of micro-batches m, one colour per series:
                                markers for what was simulated or measured, dashed lines for the formulas
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-
-from minipar.viz import gantt
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
@@ -53,4 +51,41 @@ def against_m(ms: list[int], points: dict[str, list[float]], lines: dict[str, li
     ax.set_xticks(ms)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return ax.figure
+
+
+_PIPELINE = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+
+
+
+_CHUNK_HATCH = [None, "//", "..", "xx", "\\\\", "++"]
+
+
+
+def gantt(timeline, ax=None, title: str | None = None) -> Figure:
+    """A `pipeline.Timeline` (simulated or measured) drawn: one row per pipeline rank, one box per action,
+    coloured by op (F forward, B backward or input gradient, W weight gradient) and labelled with its
+    micro-batch; with several chunks per rank, a rank's later chunks are hatched. Grey is idle: the bubble."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.8 + 0.45 * timeline.ranks), layout="constrained")
+    span, p = timeline.makespan, timeline.ranks
+    for r, rank in enumerate(timeline.events):
+        ax.barh(r, span, left=0, height=0.8, color="#E6E6E6")  # idle background, covered where busy
+        for a, s, e in rank:
+            ax.barh(r, e - s, left=s, height=0.8, color=_PIPELINE[a.op], ec="white", lw=0.5,
+                    hatch=_CHUNK_HATCH[(a.stage // p) % len(_CHUNK_HATCH)])
+            if e - s >= span / 150:  # label only boxes wide enough to read
+                ax.text((s + e) / 2, r, str(a.microbatch), ha="center", va="center", color="white",
+                        fontsize=7 if e - s >= span / 60 else 5)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=8)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, span or 1)
+    ax.set_xlabel("time")
+    ops = [op for op in _PIPELINE if any(a.op == op for rank in timeline.events for a, _, _ in rank)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_PIPELINE[op]) for op in ops]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="#E6E6E6"))
+    ax.legend(handles, [*ops, "idle"], fontsize=8, ncols=len(handles), loc="lower right", bbox_to_anchor=(1.0, 1.0))
+    peaks = timeline.peak_in_flight
+    ax.set_title(title or f"bubble {timeline.bubble:.1%}, peak in flight {max(peaks, default=0)}", fontsize=10,
+                 loc="left")
     return ax.figure

@@ -2,7 +2,7 @@
 against the uniform layout in the same launch.
 
 On a cluster of GPUs of different speeds (`minipar.Cluster.mixed`) the planner gives pipeline stages
-layers, and DP ranks rows of the global batch, in proportion to their speed (planner.py); the executor
+layers, and DP ranks rows of the global batch, in proportion to their speed (planner/predict.py); the executor
 runs such a plan as `ParallelConfig(stage_layers=..., dp_shares=...)`, still equal to the single-process
 run (the DP gradient average is weighted by the shares, train.py).
 
@@ -14,7 +14,7 @@ DP all-reduce or the pipeline's sends, and sleeping frees the core, so the other
 Fewer intra-op threads would be the other way to slow a rank, but on a machine with as many cores as
 ranks each rank has one thread already.
 
-    from minipar.demos_hetero import compare
+    from minipar.lessons.demos_hetero import compare
     out = compare(cfg, minipar.ParallelConfig(dp=2), 48, slow_ranks={1: 2.0})
     out["planned"]["par"].dp_shares, out["ratio"]      # (32, 16), about 0.7: planned / uniform step
 """
@@ -23,9 +23,9 @@ from __future__ import annotations
 import statistics
 
 from minipar.config import ParallelConfig
-from minipar.cost import Cluster
 from minipar.launch import launch
 from minipar.planner import estimate
+from minipar.planner.cluster import Cluster
 from minipar.train import train_rank
 
 

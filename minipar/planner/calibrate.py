@@ -1,11 +1,11 @@
 """This machine as a Cluster: what its CPU cores and gloo give `world` local ranks, measured in seconds.
 
-cost.py models GPUs: kernels queued ahead of the host, collectives on links of their own, overlapped
+gpu_time.py models GPUs: kernels queued ahead of the host, collectives on links of their own, overlapped
 with compute. minipar's small models on a few CPU cores live elsewhere: a layer is mostly Python and
 dispatch, ranks time-share the cores once there are more ranks than cores, and a collective waits for its
 peers to be woken and scheduled. So, as planners that profile before they plan do (Galvatron, Alpa), we
 time the pieces a step is made of on this machine: the machine here, the model's own layer in
-layer_profile.py, and cost_cpu.py adds them up.
+layer_profile.py, and cpu_time.py adds them up.
 
 `measure(world)`: one minipar.launch of `world` ranks, each with the intra-op threads launch gives it
 (max(1, cores // world): `threads`; `cores`: those this process may run on). Rank 0 alone, first:
@@ -25,7 +25,7 @@ Then the probes, every rank at once (`link_rank`; `run_layouts` repeats them bef
                            - (the matmuls alone) - (the all-reduce back to back)
                 step       seconds a ring step of back-to-back 1 KiB all-reduces: their time / 2 (g-1)
                 bandwidth  2 (g-1) / g MiB over the time a 1 MiB all-reduce adds to a 1 KiB one
-`this_machine(world)` caches the result per process and in a JSON file under the temporary directory,
+`this_machine(world)` is this machine as a Cluster (`cluster_of`); it caches the result per process and in a JSON file under the temporary directory,
 keyed by host, cores, torch version and world; `refresh=True` measures again.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from minipar.planner.cluster import Cluster, GiB
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,8 @@ def link_rank(seconds: float = 0.15) -> dict:
     GPT, rank 0 alone and every rank at once; g: (all-reduce of 1 KiB after ~0.3 ms of matmuls, ~0.3 ms of
     matmuls alone, all-reduce of 1 KiB back to back, of 1 MiB back to back) per group size g}."""
     from minipar import comm
-    from minipar.layer_profile import micro_step
     from minipar.model import GPTConfig
+    from minipar.planner.layer_profile import micro_step
     step = micro_step(GPTConfig.preset("tiny"), 2, 1, False, "none", "fp32", "plain")
     step()
     dist.barrier()
@@ -225,14 +227,29 @@ def _cached(world: int, generation: int) -> CPU:
 _generation = [0]
 
 
-def this_machine(world: int = 1, refresh: bool = False):
-    """This machine as a cost.Cluster of `world` local ranks, its `cpu` field the calibration."""
-    from minipar.cost import Cluster
+def this_machine(world: int = 1, refresh: bool = False) -> Cluster:
+    """This machine's CPU cores as a Cluster of `world` local ranks, measured (cached; `refresh` measures again)."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     if refresh:
         _generation[0] += 1
-    return Cluster.from_cpu(_cached(world, _generation[0]))
+    return cluster_of(_cached(world, _generation[0]))
+
+
+def cluster_of(cpu: CPU) -> Cluster:
+    """A Cluster of cpu.world local ranks from a CPU calibration: per rank the memory available now divided
+    by world, the measured matmul rate of one rank as its peak (the MFU denominator), the measured gloo
+    link of two ranks. Step times come from cpu_time.py, not these."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        free = 4 * GiB
+    _, latency, bandwidth = cpu.link(2)
+    link = dict(intra_bandwidth=min(bandwidth, 1e12), intra_latency=latency,
+                inter_bandwidth=min(bandwidth, 1e12), inter_latency=latency)
+    return Cluster(gpus_per_node=cpu.world, nodes=1, memory_per_gpu=free / cpu.world, peak_flops=cpu.matmul,
+                   efficiency=1.0, memory_bandwidth=cpu.copy_rate, name=f"this-cpu-x{cpu.world}", cpu=cpu, **link)
 
 
 # ----------------------------------------------------------------------------- many layouts, one launch

@@ -1,0 +1,69 @@
+"""Plots for lesson 01 (data parallelism): what each rank computed and sent, step by step.
+
+    step_spans(timeline)  a DataParallel timeline cut into training steps
+    timeline(runs)        per-rank Gantt chart of compute and communication, one panel per run
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+
+def step_spans(timeline: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
+    """Cut one rank's timeline ((what, start, end) spans, any order) into training steps.
+
+    A step ends with its "wait" span (the time blocked in `DataParallel.finish()`); the spans that
+    start after the previous step's wait ended belong to it. Returns the steps in order, each sorted
+    by start time.
+    """
+    spans = sorted(timeline, key=lambda s: s[1])
+    ends = sorted(end for what, _, end in spans if what == "wait")
+    steps, i = [[] for _ in ends], 0
+    for span in spans:
+        while i < len(ends) - 1 and span[1] >= ends[i]:
+            i += 1
+        steps[i].append(span)
+    return steps
+
+
+_COMPUTE = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52"}
+
+
+def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str = "compute and communication",
+             ) -> Figure:
+    """Per-rank Gantt chart, one panel per run ({label: spans by rank}), on one time axis.
+
+    Spans are (what, start, end) in perf_counter seconds, as `DataParallel.timeline` records them.
+    Each rank has two rows: "compute" (forward, backward, and "wait", the time blocked in finish()
+    on communication backward did not hide, hatched) and "comm" (every all-reduce: "bucket i" or, in
+    naive mode, "all-reduce"; neighbours alternate in shade). Times count from each run's first span.
+    """
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 0.5 + 1.1 * sum(len(r) for r in runs.values())),
+                             sharex=True, squeeze=False, layout="constrained")
+    for ax, (label, ranks) in zip(axes[:, 0], runs.items()):
+        t0 = min(start for spans in ranks for _, start, _ in spans)
+        ticks = []
+        for r, spans in enumerate(ranks):
+            y_compute, y_comm = 2 * r, 2 * r + 1
+            ticks += [(y_compute, f"rank {r} compute"), (y_comm, f"rank {r} comm")]
+            comm = sorted((s for s in spans if s[0] not in _COMPUTE), key=lambda s: s[1])
+            for i, (what, start, end) in enumerate(comm):
+                ax.barh(y_comm, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.7, edgecolor="white",
+                        lw=0.3, color="#55A868" if i % 2 == 0 else "#2E7D46")
+            for what, start, end in spans:
+                if what in _COMPUTE:
+                    ax.barh(y_compute, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.7,
+                            color=_COMPUTE[what], hatch="//" if what == "wait" else None,
+                            edgecolor="white", lw=0.3)
+        ax.set_yticks(*zip(*ticks), fontsize=8)
+        ax.set_xlim(left=0)
+        ax.invert_yaxis()
+        ax.set_title(label, fontsize=10, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, hatch="//" if k == "wait" else None, ec="white")
+               for k, c in _COMPUTE.items()] + [plt.Rectangle((0, 0), 1, 1, color="#55A868")]
+    axes[0, 0].legend(handles, ["forward", "backward", "wait (blocked in finish)", "all-reduce"],
+                      fontsize=8, ncols=4, loc="lower right", bbox_to_anchor=(1.0, 1.0))
+    axes[-1, 0].set_xlabel("time (ms)")
+    fig.suptitle(title)
+    return fig

@@ -1,0 +1,76 @@
+"""Plots for lesson 03 (ZeRO): model states against N_d, and stage 3's gathers over a step.
+
+    zero_stages(table)    model states per device against N_d for the ZeRO stages (the paper's Table I)
+    gather_timeline(...)  ZeRO-3's gathers and frees over one step, and the gathered bytes held
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+
+
+def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | None = None,
+                title: str = "model states per device") -> Figure:
+    """GB per device against N_d, one bar per ZeRO stage ({N_d: {stage: GB}}, as `memory.zero_table`
+    gives), on a log scale; `paper` ({N_d: (stage 1, 2, 3)}) adds the published figures as black ticks."""
+    n_ds, stages = list(table), sorted(next(iter(table.values())))
+    fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(n_ds), 3.8), layout="constrained")
+    w = 0.8 / len(stages)
+    for k, stage in enumerate(stages):
+        xs = np.arange(len(n_ds)) + (k - (len(stages) - 1) / 2) * w
+        gb = [table[n][stage] for n in n_ds]
+        ax.bar(xs, gb, w, label="DP (stage 0)" if stage == 0 else f"ZeRO-{stage}")
+        for x, v in zip(xs, gb):
+            ax.text(x, v, f"{v * (1 + 1e-12):.3g}", ha="center", va="bottom", fontsize=7)  # half up
+        if paper and stage > 0:
+            ax.plot(xs, [paper[n][stage - 1] for n in n_ds], "k_", ms=12, mew=2,
+                    label="the paper" if stage == 1 else None)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(n_ds)), [f"N_d = {n}" for n in n_ds])
+    ax.set(ylabel="GB per device", title=title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def gather_timeline(trace: dict, predicted_peak: int | None = None,
+                    title: str = "ZeRO-3: when each unit's parameters are gathered") -> Figure:
+    """A `demos.zero3_trace` drawn. Top: one row per unit, a bar from the launch of its all-gather to
+    its free (blue in forward, orange in backward), hatched red where the compute waited for it.
+    Bottom: the gathered bytes held over time, with `predicted_peak` as a dashed line if given."""
+    t0 = trace["phases"][0][1]
+    ms = lambda t: (t - t0) * 1e3
+    units = trace["units"]
+    backward_start = next(start for what, start, _ in trace["phases"] if what == "backward")
+    fig, (ax, ax_b) = plt.subplots(2, 1, figsize=(10, 1.5 + 0.3 * len(units) + 1.8), sharex=True,
+                                   height_ratios=[len(units), 6], layout="constrained")
+    opened = {}
+    for what, i, t, _ in trace["events"]:
+        if what == "gather":
+            opened[i] = t
+        elif i in opened:
+            start = opened.pop(i)
+            ax.barh(i, ms(t) - ms(start), left=ms(start), height=0.6,
+                    color="#4C72B0" if start < backward_start else "#DD8452")
+    for i, start, end in trace["waits"]:
+        ax.barh(i, ms(end) - ms(start), left=ms(start), height=0.6, fill=False, hatch="///",
+                ec="#C44E52", lw=0)
+    for what, start, end in trace["phases"]:
+        ax.axvline(ms(start), color="grey", lw=0.8, ls=":")
+        ax.text(ms(start), -0.9, f" {what}", fontsize=8, color="grey")
+    ax.set_yticks(range(len(units)), units, fontsize=8)
+    ax.set_ylim(len(units) - 0.5, -1.2)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0", "#DD8452")]
+    handles.append(plt.Rectangle((0, 0), 1, 1, fill=False, hatch="///", ec="#C44E52"))
+    ax.legend(handles, ["gathered in forward", "gathered in backward", "compute waits for it"],
+              fontsize=8, ncols=3, loc="lower right", bbox_to_anchor=(1.0, 1.0))
+    steps = [(ms(t0), 0)] + [(ms(t), b) for _, _, t, b in trace["events"]]
+    ax_b.step([x for x, _ in steps], [b / 2**20 for _, b in steps], where="post", color="#55A868")
+    if predicted_peak is not None:
+        ax_b.axhline(predicted_peak / 2**20, color="k", ls="--", lw=1, label="predicted peak")
+        ax_b.legend(fontsize=8, loc="upper right")
+    ax_b.set(xlabel="time (ms)", ylabel="gathered (MiB)")
+    ax_b.grid(alpha=0.3)
+    fig.suptitle(title)
+    return fig

@@ -1,0 +1,116 @@
+"""The cluster as a value: GPUs, their speed and memory, and the links between them; presets of vendor
+figures; mixed clusters of several kinds. No I/O here: `planner.calibrate` makes one of this machine."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+GiB = 2 ** 30
+
+
+class Link(NamedTuple):
+    bandwidth: float  # bytes/s per GPU, one direction
+    latency: float    # s per message (a ring step)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs, their speed and memory, and the links between them. Homogeneous unless `groups` is set."""
+    gpus_per_node: int
+    nodes: int
+    memory_per_gpu: float     # bytes the training job may use on one GPU
+    peak_flops: float         # dense bf16 FLOP/s of one GPU (the MFU denominator)
+    efficiency: float         # fraction of peak the model's matmuls achieve (one number per GPU kind)
+    intra_bandwidth: float    # bytes/s per GPU, one direction, within a node (NVLink)
+    intra_latency: float      # s per message within a node
+    inter_bandwidth: float    # bytes/s per GPU across nodes (its NIC)
+    inter_latency: float      # s per message across nodes
+    memory_bandwidth: float = 2.0e12  # HBM bytes/s: the memory-bound kernels and the optimizer step
+    name: str = "custom"
+    groups: tuple = ()        # heterogeneous: homogeneous Clusters in rank order (see `mixed`)
+    cpu: object = None        # local CPU ranks: a calibrate.CPU (calibrate.this_machine makes such a Cluster);
+                              # the planner then times steps with cpu_time.py instead of gpu_time.py
+
+    # Vendor figures. intra_bandwidth is what NCCL moves over NVLink: 80% of the line rate (A100 300, H100
+    # and H200 450 GB/s a direction), as NCCL's protocol costs about 20% (its maintainer, NVIDIA/nccl-tests
+    # issue 212: "450GB/s is the line rate ... NCCL can get an effective NVLink bandwidth of 370GB/s").
+    # inter_bandwidth is one NIC per GPU at line rate: HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s.
+    # Latencies are per ring step (an 8-GPU all-reduce pays 14), assumed: 1 us over NVLink, 5 us over IB.
+    PRESETS = {
+        "dgx-a100-80g": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=312e12,
+                             intra_bandwidth=0.8 * 300e9, intra_latency=1e-6, inter_bandwidth=25e9,
+                             inter_latency=5e-6, memory_bandwidth=2.039e12),
+        "dgx-h100": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=989e12, intra_bandwidth=0.8 * 450e9,
+                         intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6, memory_bandwidth=3.35e12),
+        "h200": dict(gpus_per_node=8, memory_per_gpu=139 * GiB, peak_flops=989e12, intra_bandwidth=0.8 * 450e9,
+                     intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
+                     memory_bandwidth=4.8e12),           # 139 GiB: what torch reports on one H200 here
+    }
+    # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row of
+    # a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer (t = 8, b = 4, SP) at 7.7 ms
+    # forward + 11.9 ms backward; take off this model's TP and memory-bound time and the matmuls ran at
+    # 0.69 of 312 TFLOP/s (`calibrate()` redoes it). H100, H200: no layer timing is published beside
+    # the figures we check, so the A100's 0.69 is assumed, unvalidated (the one Hopper measurement we
+    # have, an 8192^3 bf16 matmul at 790 of 989 TFLOP/s on an H200, is an upper bound): run
+    # `calibrate` on a measured layer to replace it.
+    EFFICIENCY = {"dgx-a100-80g": 0.69, "dgx-h100": 0.69, "h200": 0.69}
+
+    def __post_init__(self):
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Cluster.{name} must be a positive integer, got {value!r}")
+        for name in ("memory_per_gpu", "peak_flops", "intra_bandwidth", "inter_bandwidth", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"Cluster.efficiency must be in (0, 1], got {self.efficiency!r}")
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1) -> "Cluster":
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; choose from {sorted(cls.PRESETS)}")
+        return cls(nodes=nodes, efficiency=cls.EFFICIENCY[name], name=name, **cls.PRESETS[name])
+
+    @classmethod
+    def mixed(cls, parts) -> "Cluster":
+        """One cluster of several GPU kinds, ranks numbered part after part (whole nodes each). The
+        nodes talk over the slowest NIC; capacities and speeds stay per part (`device(rank)`)."""
+        parts = tuple(p for part in parts for p in (part.groups or (part,)))
+        if len({p.gpus_per_node for p in parts}) != 1:
+            raise ValueError("Cluster.mixed needs the same gpus_per_node in every part")
+        slowest = min(parts, key=lambda p: p.peak_flops * p.efficiency)
+        return dataclasses.replace(
+            slowest, nodes=sum(p.nodes for p in parts), name="+".join(f"{p.nodes}x{p.name}" for p in parts),
+            memory_per_gpu=min(p.memory_per_gpu for p in parts), inter_bandwidth=min(p.inter_bandwidth for p in parts),
+            inter_latency=max(p.inter_latency for p in parts), groups=parts if len(parts) > 1 else ())
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def peak_total(self) -> float:
+        return sum(g.peak_flops * g.world for g in self.groups) if self.groups else self.peak_flops * self.world
+
+    def device(self, rank: int) -> "Cluster":
+        """The homogeneous part that GPU `rank` belongs to (the cluster itself when homogeneous)."""
+        for g in self.groups:
+            if rank < g.world:
+                return g
+            rank -= g.world
+        return self
+
+    def link(self, ranks) -> Link:
+        """The link a collective among `ranks` runs on: NVLink within one node, else the NICs."""
+        ranks = list(ranks)
+        if len({r // self.gpus_per_node for r in ranks}) <= 1:
+            dev = self.device(ranks[0])
+            return Link(dev.intra_bandwidth, dev.intra_latency)
+        return Link(self.inter_bandwidth, self.inter_latency)
+
+    def rate(self, ranks, precision: str) -> float:
+        """Matmul FLOP/s of the slowest GPU among `ranks` (fp32 as TF32: half the 16-bit peak)."""
+        return min(self.device(r).peak_flops * self.device(r).efficiency for r in ranks) * \
+            (0.5 if precision == "fp32" else 1.0)

@@ -1,0 +1,138 @@
+"""The search over layouts: every candidate that fits, ranked by predicted step time (`plan`), why the
+winner wins (`explain`), and what would fit when nothing does (`NoFeasiblePlan`)."""
+from __future__ import annotations
+
+import dataclasses
+
+from minipar.config import SCHEDULES, ParallelConfig
+from minipar.planner.cluster import Cluster, GiB
+from minipar.planner.predict import TERMS, Estimate, _layout, _step
+
+
+class NoFeasiblePlan(ValueError):
+    """No layout fits the cluster's memory; the message says what would."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(pp: int, m: int, n_layer: int, schedules, virtual_stages):
+    if pp == 1:  # no pipeline: micro-batches are gradient-accumulation steps
+        yield "1f1b", 1
+        return
+    for name in schedules:
+        if name != "interleaved-1f1b":
+            yield name, 1
+        elif m % pp == 0:
+            yield from ((name, v) for v in virtual_stages if v > 1 and pp * v <= n_layer)
+
+
+def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
+               virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
+    """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all of
+    cluster.world; tp <= gpus_per_node dividing the heads; ZeRO > 0 only with dp > 1, ZeRO-3 only
+    without pp; sequence parallel whenever tp > 1 (it only saves), except with ZeRO-3 (config.py)."""
+    world = cluster.world
+    for tp in _divisors(world):
+        if tp > cluster.gpus_per_node or cfg.n_head % tp or cfg.vocab_size % tp:
+            continue
+        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer):
+            dp = world // (tp * pp)
+            for b in (b for b in micro_batches if global_batch % (dp * b) == 0):
+                m = global_batch // (dp * b)
+                for name, v in _schedules(pp, m, cfg.n_layer, schedules, virtual_stages):
+                    for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and pp > 1)):
+                        sp = tp > 1 and z != 3 and cfg.seq_len % tp == 0
+                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m, schedule=name,
+                                             virtual_stages=v, sequence_parallel=sp, precision=precision), b
+
+
+def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
+         virtual_stages=(2, 4), zero=(0, 1, 2, 3), recompute=("none", "selective", "full"),
+         precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
+    """Every layout of `candidates` that fits memory_per_gpu, fastest first. Each takes the first of
+    `recompute` with which it fits (recomputing more only costs time). Raises NoFeasiblePlan, saying
+    what would fit, when none does."""
+    fitting, smallest = [], None
+    for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages, zero, precision):
+        for rc in recompute:
+            try:
+                est = _layout(cfg, par.replace(recompute=rc), cluster, global_batch, b, attention)
+            except ValueError:
+                break
+            if est.fits:
+                fitting.append(_step(cfg, est, attention))
+                break
+            if smallest is None or est.total_memory / est.capacity < smallest.total_memory / smallest.capacity:
+                smallest = est
+    if not fitting:
+        raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute, precision))
+    return sorted(fitting, key=lambda e: (e.step_time, e.total_memory))
+
+
+def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
+    for par, b in candidates(cfg, cluster, global_batch, (1,), precision=precision):
+        try:
+            est = _layout(cfg, par.replace(recompute="full"), cluster, global_batch, b, "flash")
+        except ValueError:
+            continue
+        if est.fits:
+            return est
+    return None
+
+
+def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute, precision) -> str:
+    if smallest is None:
+        return (f"no layout of {cluster.world} GPUs divides global_batch {global_batch} with micro-batches "
+                f"{tuple(micro_batches)}: choose a global batch divisible by more data-parallel degrees")
+    lines = [f"nothing fits {cluster.memory_per_gpu / GiB:.0f} GiB a GPU on {cluster.world} GPUs: the smallest, "
+             f"{smallest.label}, needs {smallest.total_memory / GiB:.1f} GiB "
+             f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in smallest.memory.items())})."]
+    if 1 not in micro_batches:
+        lines.append("Try micro-batch 1 (activations scale with it).")
+    if "full" not in recompute:
+        lines.append("Allow recompute='full' (keeps only each layer's input).")
+    if 3 not in zero or 2 not in zero:
+        lines.append("Allow ZeRO-2/3 (shards gradients and parameters over dp).")
+    for k in (2, 4, 8, 16, 32, 64):
+        bigger = dataclasses.replace(cluster, nodes=cluster.nodes * k, groups=())
+        est = _fits_somewhere(cfg, bigger, global_batch, precision)
+        if est is not None:
+            lines.append(f"With {bigger.world} GPUs ({bigger.nodes} nodes) it fits, e.g. {est.label} "
+                         f"({est.total_memory / GiB:.1f} GiB).")
+            break
+    else:
+        lines.append(f"Even {cluster.world * 64} GPUs are not enough at global batch {global_batch}.")
+    return " ".join(lines)
+
+
+def explain(estimates: list[Estimate], top: int = 5) -> str:
+    """Why the winner wins: for each runner-up, the breakdown term that costs it most against the winner."""
+    if not estimates:
+        return "no estimates"
+    best = estimates[0]
+    lines = [f"#1 {best.label}: {best.step_time:.4g} s ({best.mfu:.1%} MFU)"]
+    for i, e in enumerate(estimates[1:top], 2):
+        if e.step_time - best.step_time <= 1e-9 * best.step_time:
+            lines.append(f"#{i} {e.label}: as fast, with {(e.total_memory - best.total_memory) / GiB:+.1f} GiB")
+            continue
+        diff = {k: e.breakdown[k] - best.breakdown[k] for k in TERMS}
+        worst, gain = max(diff, key=diff.get), min(diff, key=diff.get)
+        line = (f"#{i} {e.label}: +{e.step_time - best.step_time:.3g} s "
+                f"({e.step_time / best.step_time - 1:+.1%}), mostly {worst} (+{diff[worst]:.3g} s)")
+        if diff[gain] < 0:
+            line += f", though it saves {-diff[gain]:.3g} s of {gain}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_table(estimates: list[Estimate], top: int = 10) -> str:
+    """The ranked estimates as a text table: layout, step time, TFLOP/s, MFU, memory, and the breakdown (s)."""
+    heads = ["#", "layout", "step s", "TFLOP/s", "MFU", "GiB"] + list(TERMS)
+    rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+             f"{e.total_memory / GiB:.1f}"] + [f"{e.breakdown[k]:.3g}" for k in TERMS]
+            for i, e in enumerate(estimates[:top], 1)]
+    widths = [max(len(r[c]) for r in [heads] + rows) for c in range(len(heads))]
+    fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(heads)] + [fmt(r) for r in rows])
