@@ -132,8 +132,8 @@ def element_bytes(precision: str) -> int:
 
 
 def model_states(psi: float, n_d: int, stage: int, bytes_per_param: dict | None = None) -> dict[str, float]:
-    """The ZeRO paper's model states per device, bytes, for Psi parameters over N_d ranks, as the paper
-    writes them (no padding; what zero.py allocates, padding included, is `rank_states`):
+    """The ZeRO paper's model states per device, bytes, for Psi parameters over N_d ranks, as the
+    paper writes them (no padding; what zero.py allocates, padding included, is `rank_states`):
 
         stage 0 (DP)  2Psi + 2Psi + K Psi            = 16 Psi             (MIXED: K = 12)
         stage 1       2Psi + 2Psi + K Psi / N_d      = 4 Psi + 12 Psi / N_d
@@ -158,9 +158,10 @@ def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
     cuts, in forward order. tensor_parallel.py cuts the matrices, the embeddings and the head;
     LayerNorms, row-parallel biases and positions stay whole:
 
-        tok_emb V h/t | pos_emb s h | block (12 h^2 + 6 h)/t + 6 h (each) | ln_f 2 h | head (V h + V)/t
+      tok_emb V h/t | pos_emb s h | block (12 h^2 + 6 h)/t + 6 h each | ln_f 2 h | head (V h + V)/t
 
-    The one parameter formula: every count below is a sum of these (t = 1, whole model: cfg.num_params)."""
+    The one parameter formula: every count below is a sum of these (t = 1, whole model:
+    cfg.num_params)."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     units = [V * h // t, s * h] if first else []
     units += [(12 * h * h + 6 * h) // t + 6 * h] * layers
@@ -168,16 +169,18 @@ def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
 
 
 def chunk_layers(cfg, par) -> list[int]:
-    """Layers of each of the pp * virtual_stages model chunks, as pipeline.runtime.partition cuts them
-    (or as par.stage_layers says)."""
-    return [len(c) for c in partition(cfg.n_layer, par.pp * par.virtual_stages, layers=par.stage_layers)]
+    """Layers of each of the pp * virtual_stages model chunks, as pipeline.runtime.partition cuts
+    them (or as par.stage_layers says)."""
+    chunks = partition(cfg.n_layer, par.pp * par.virtual_stages, layers=par.stage_layers)
+    return [len(c) for c in chunks]
 
 
 def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int) -> list[int]:
-    """The units (`chunk_units`) of every chunk pipeline rank `pp_rank` holds: chunk k of len(layers),
-    with layers[k] blocks, lives on rank k % pp (pipeline.rank_of)."""
-    chunks = len(layers)
-    return [u for c in range(pp_rank, chunks, pp) for u in chunk_units(cfg, t, layers[c], c == 0, c == chunks - 1)]
+    """The units (`chunk_units`) of every chunk pipeline rank `pp_rank` holds: chunk k of
+    len(layers), with layers[k] blocks, lives on rank k % pp (pipeline.rank_of)."""
+    n = len(layers)
+    mine = range(pp_rank, n, pp)
+    return [u for c in mine for u in chunk_units(cfg, t, layers[c], c == 0, c == n - 1)]
 
 
 def _shard(total: int, n: int, rank: int) -> tuple[int, int]:
@@ -273,16 +276,17 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
         raise NotImplementedError("predict covers ZeRO-3 with dp alone")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision)
-    states = rank_states(par, rank_units(cfg, par.tp, chunk_layers(cfg, par), par.pp, pp_rank), per, rank)
-    b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch (dp_shares)
-    return by_category(states, stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank))
+    units = rank_units(cfg, par.tp, chunk_layers(cfg, par), par.pp, pp_rank)
+    b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch, dp_shares
+    activations = stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank)
+    return by_category(rank_states(par, units, per, rank), activations)
 
 
 def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str, int]:
     """Model states and communication buffers, bytes {params, grads, optimizer, comm}, of DP rank
     `dp_rank` holding the units `sizes` (`rank_units`) at `per` bytes a parameter, as zero.py and
     data_parallel.py allocate them (`predict` gives the formulas): ZeRO-3 pads each unit on its own,
-    stages 0-2 one flat buffer of their sum. Both `predict` and the planner's stages count with it."""
+    stages 0-2 one flat buffer of their sum. predict and the planner's stages count with it."""
     n, stage, psi = par.dp, par.zero, sum(sizes)
     shards = [_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
@@ -304,7 +308,7 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str,
 
 
 def by_category(states: dict, activations: int) -> dict[str, int]:
-    """A rank's memory in CATEGORIES order: `rank_states`' model states and buffers, and its activations."""
+    """A rank's memory in CATEGORIES order: `rank_states`' states and buffers, its activations."""
     return {c: activations if c == "activations" else states[c] for c in CATEGORIES}
 
 
@@ -345,7 +349,8 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers:
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
     peaks = []
     for mine in actions:
-        split = any(a.op == "W" for a in mine)  # then B frees only the loss's part (after the last module)
+        split = any(a.op == "W" for a in mine)  # then B frees only the loss's part (after the last
+        #                                         module)
         freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
                  "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
         current = peak = 0

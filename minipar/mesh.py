@@ -9,8 +9,8 @@ the most frequent and need the fastest links), DP groups stride over tp, and pip
 the outermost blocks (their point-to-point traffic is the lightest). This is Megatron-LM's order.
 
 `rank_at` is that formula and `grid_ranks` the ranks of a stage, a replica or a TP group, as pure
-functions of (dp, tp, pp): the planner places layouts with them, without processes. A `Mesh` is a value:
-built once, validated, passed explicitly. No module-level group state.
+functions of (dp, tp, pp): the planner places layouts with them, without processes. A `Mesh` is a
+value: built once, validated, passed explicitly. No module-level group state.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 
 def rank_at(dp: int, tp: int, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> int:
-    """The global rank at (dp_rank, tp_rank, pp_rank) of a grid of dp x tp (x pp) ranks, tp innermost."""
+    """The global rank at (dp_rank, tp_rank, pp_rank) of a dp x tp (x pp) grid, tp innermost."""
     return (pp_rank * dp + dp_rank) * tp + tp_rank
 
 

@@ -19,9 +19,9 @@ def test_layout_is_tp_innermost_then_dp_then_pp():
 
 def test_grid_ranks_are_the_mesh_blocks():
     mesh = Mesh(dp=2, tp=3, pp=2)
-    assert grid_ranks(2, 3, 2, pp_rank=1) == list(range(6, 12))               # a stage, every replica
-    assert grid_ranks(2, 3, 2, dp_rank=1) == [3, 4, 5, 9, 10, 11]             # a replica, every stage
-    assert grid_ranks(2, 3, 2, pp_rank=1, dp_rank=0) in mesh.axis_groups("tp")  # one TP group
+    assert grid_ranks(2, 3, 2, pp_rank=1) == list(range(6, 12))         # a stage, every replica
+    assert grid_ranks(2, 3, 2, dp_rank=1) == [3, 4, 5, 9, 10, 11]       # a replica, every stage
+    assert grid_ranks(2, 3, 2, pp_rank=1, dp_rank=0) in mesh.axis_groups("tp")  # a TP group
     assert grid_ranks(2, 3, 2) == list(range(mesh.world))
 
 

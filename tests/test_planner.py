@@ -58,13 +58,14 @@ def test_estimate_memory_equals_memory_predict(dp, tp, precision):
             assert est.memory == pytest.approx(memory.predict(cfg, par, dp * 2 * 3), rel=0, abs=0), par.label
 
 
-@pytest.mark.parametrize("dp,tp,pp,zero", [(3, 1, 1, 0), (3, 1, 1, 1), (2, 1, 1, 2), (3, 1, 1, 3), (2, 1, 2, 0),
-                                             (2, 2, 2, 1), (2, 1, 4, 2)])
+@pytest.mark.parametrize("dp,tp,pp,zero", [(3, 1, 1, 0), (3, 1, 1, 1), (2, 1, 1, 2), (3, 1, 1, 3),
+                                           (2, 1, 2, 0), (2, 2, 2, 1), (2, 1, 4, 2)])
 def test_planner_stages_and_memory_predict_are_one_functions_output(dp, tp, pp, zero):
-    """The planner's memory of each stage and memory.predict's are memory.rank_states of the units the
-    rank holds (memory.rank_units), plus the activations: one formula, not two copies."""
+    """The planner's memory of each stage and memory.predict's are memory.rank_states of the units
+    the rank holds (memory.rank_units), plus the activations: one formula, not two copies."""
     cfg, m, b = GPTConfig.preset("tiny"), 4, 2
-    par = ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, precision="bf16", sequence_parallel=tp > 1)
+    par = ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, precision="bf16",
+                         sequence_parallel=tp > 1)
     est = estimate(cfg, par, Cluster.preset(A100), global_batch=dp * m * b, micro_batch=b)
     assert list(est.layers) == memory.chunk_layers(cfg, est.par)
     for r in range(pp):
@@ -112,7 +113,8 @@ def test_a100_efficiency_is_korthikanti_table_4_not_fitted_to_table_5():
     recomputing backwards (13.2 ms selective, 19.5 ms full) then come out within 10%."""
     cfg = GPTConfig(n_layer=1, n_head=64, d_model=6144, vocab_size=51200, seq_len=2048)
     cluster = Cluster.preset(A100)
-    assert cluster.efficiency == round(fit_efficiency(cfg, 7.7e-3 + 11.9e-3, 4, 8, cluster, materialized=True), 2)
+    fitted = fit_efficiency(cfg, 7.7e-3 + 11.9e-3, 4, 8, cluster, materialized=True)
+    assert cluster.efficiency == round(fitted, 2)
     for recompute, forward, backward in (("none", 7.7e-3, 11.9e-3), ("selective", 7.7e-3, 13.2e-3),
                                          ("full", 7.7e-3, 19.5e-3)):
         w = Work(4, 8, True, recompute, 2, cluster.peak_flops * cluster.efficiency, cluster.memory_bandwidth,

@@ -1,7 +1,7 @@
 """Plots for the planner lesson (07): each function takes planner `Estimate`s (or plain numbers) and returns a
-matplotlib Figure. They draw what an estimate holds and recompute nothing: the pipeline an estimate
-simulated is `est.timeline` (a `pipeline.Timeline` in seconds, for `viz_pipeline.gantt`; its makespan +
-dp_comm + optimizer is the step time).
+matplotlib Figure. They draw what an estimate holds and recompute nothing: the pipeline an
+estimate simulated is `est.timeline` (a `pipeline.Timeline` in seconds, for `viz_pipeline.gantt`;
+its makespan + dp_comm + optimizer is the step time).
 
     memory_stages(est)        memory per GPU of every pipeline stage, stacked by category, beside its capacity
     breakdown(estimates)      step times cut into the planner's terms (planner.TERMS), one bar per estimate
@@ -35,8 +35,8 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
         ax.bar(list(stages), gib, 0.7, bottom=bottom, color=COLOURS[i], label=cat)
         bottom = [b + g for b, g in zip(bottom, gib)]
     dp, tp, pp = est.par.dp, est.par.tp, est.par.pp
-    capacity = [min(est.cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, pp, pp_rank=r)) / GiB
-                for r in stages]
+    capacity = [min(est.cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, pp, pp_rank=r))
+                / GiB for r in stages]
     ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2, label="capacity")
     if len(est.stages) <= 16:
         for r, total in zip(stages, bottom):

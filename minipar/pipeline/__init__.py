@@ -25,5 +25,5 @@ from minipar.pipeline.schedules import (
 from minipar.pipeline.simulate import Timeline, simulate, to_chrome_trace
 
 __all__ = ["SCHEDULES", "Action", "Timeline", "cached_schedule", "check", "gpipe", "inputs",
-           "interleaved_1f1b", "one_f_one_b", "rank_of", "replay", "schedule", "simulate", "stage_of",
-           "to_chrome_trace", "validate", "zb_h1"]
+           "interleaved_1f1b", "one_f_one_b", "rank_of", "replay", "schedule", "simulate",
+           "stage_of", "to_chrome_trace", "validate", "zb_h1"]

@@ -25,9 +25,9 @@ Then the probes, every rank at once (`link_rank`; `run_layouts` repeats them bef
                            - (the matmuls alone) - (the all-reduce back to back)
                 step       seconds a ring step of back-to-back 1 KiB all-reduces: their time / 2 (g-1)
                 bandwidth  2 (g-1) / g MiB over the time a 1 MiB all-reduce adds to a 1 KiB one
-`this_machine(world)` is this machine as a Cluster (`cluster_of`); it reads the calibration from a JSON file
-under the temporary directory, keyed by host, cores, torch version and world, or measures and writes it
-there if there is none (or `refresh=True`).
+`this_machine(world)` is this machine as a Cluster (`cluster_of`); it reads the calibration from a
+JSON file under the temporary directory, keyed by host, cores, torch version and world, or measures
+and writes it there if there is none (or `refresh=True`).
 """
 from __future__ import annotations
 
@@ -117,8 +117,9 @@ def machine_rank(reps: int = 7) -> dict:
 
 
 def probe_groups() -> dict:
-    """{group size g: this rank's group of g consecutive ranks}, for g in 2, 4, 8 dividing the world: the
-    groups `link_rank` probes. Collective: every rank calls it, as every rank must make every group."""
+    """{group size g: this rank's group of g consecutive ranks}, for g in 2, 4, 8 dividing the
+    world: the groups `link_rank` probes. Collective: every rank calls it (each must make every
+    group)."""
     rank, world, out = dist.get_rank(), dist.get_world_size(), {}
     for g in (g for g in (2, 4, 8) if world % g == 0):
         out[g] = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)][rank // g]
@@ -148,7 +149,7 @@ def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
     """The probes on every rank (module docstring): {"alone", "together": seconds of a micro-step of the tiny
     GPT, rank 0 alone and every rank at once; g: (all-reduce of 1 KiB after ~0.3 ms of matmuls, ~0.3 ms of
     matmuls alone, all-reduce of 1 KiB back to back, of 1 MiB back to back) per group size g}.
-    groups: `probe_groups()`, made once by a worker that probes several times (made here if None)."""
+    groups: `probe_groups()`, made once by a worker that probes several times (here if None)."""
     groups = probe_groups() if groups is None else groups
     step = micro_step(GPTConfig.preset("tiny"), 2, 1, False, "none", "fp32", "plain")
     step()
@@ -207,7 +208,7 @@ def _cache_path(world: int) -> str:
 
 
 def _read(world: int) -> CPU | None:
-    """The calibration cached for `world` ranks in the temporary directory, or None (none, or stale)."""
+    """The calibration cached for `world` ranks in the temporary directory, or None."""
     try:
         with open(_cache_path(world)) as f:
             d = json.load(f)
@@ -225,8 +226,8 @@ def _write(cpu: CPU) -> None:
 
 
 def this_machine(world: int = 1, refresh: bool = False) -> Cluster:
-    """This machine's CPU cores as a Cluster of `world` local ranks: the calibration cached in the JSON
-    file (`_cache_path`), or, if there is none or `refresh`, measured (`measure`) and written there."""
+    """This machine's CPU cores as a Cluster of `world` local ranks: the calibration cached in the
+    JSON file (`_cache_path`), or, if there is none or `refresh`, measured and written there."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     cpu = None if refresh else _read(world)

@@ -91,8 +91,8 @@ def collective_calls(cfg, est) -> dict[str, int]:
         calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + 1, all_gather=calls.get("all_gather", 0) + 1)
     elif par.dp > 1 and par.zero == 0:  # one all-reduce a bucket (a tensor when naive)
         psi = sum(memory.rank_units(cfg, par.tp, list(est.layers), par.pp, 0))
-        tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in range(0, chunks, par.pp))
-        per = memory.layout_bytes(par.precision)
+        mine, per = range(0, chunks, par.pp), memory.layout_bytes(par.precision)
+        tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
         calls["all_reduce"] = calls.get("all_reduce", 0) + _dp_messages(par, psi, tensors, per)[0]
     return {k: v for k, v in calls.items() if v}
 
@@ -165,9 +165,9 @@ def _tensors(layers: int, first: bool, last: bool) -> int:
 
 
 def _dp_messages(par, psi: int, tensors: int, per: dict) -> tuple[int, int]:
-    """(all-reduces, bytes a parameter) of ZeRO-0's gradient sync: mixed precision reduces the fp32 master
-    gradients one tensor at a time (parallelize.py), else the bucketed DataParallel (naive: per tensor);
-    per: memory.layout_bytes of the precision."""
+    """(all-reduces, bytes a parameter) of ZeRO-0's gradient sync: mixed precision reduces the fp32
+    master gradients one tensor at a time (parallelize.py), else the bucketed DataParallel (naive:
+    per tensor); per: memory.layout_bytes of the precision."""
     if par.precision in ("bf16", "fp16") and par.reduce_fp32:
         return tensors, 4
     g = per["grads"]
@@ -175,8 +175,8 @@ def _dp_messages(par, psi: int, tensors: int, per: dict) -> tuple[int, int]:
 
 
 def dp_comm(par, psi: int, tensors: int, units: int, cpu, per: dict) -> float:
-    """Seconds of the DP / ZeRO collectives of a rank holding psi parameters in `tensors` tensors, at
-    `per` bytes a parameter (memory.layout_bytes)."""
+    """Seconds of the DP / ZeRO collectives of a rank holding psi parameters in `tensors` tensors,
+    at `per` bytes a parameter (memory.layout_bytes)."""
     n = par.dp
     if n == 1:
         return 0.0
@@ -198,8 +198,8 @@ def optimizer_time(par, psi: int, full: float, cpu, per: dict) -> float:
 
 
 def _pipeline(cfg, est, e: int):
-    """What `replay_shared` replays for `est`, e bytes an activation element: (profile, actions, chunks,
-    work, wait, latency)."""
+    """What `replay_shared` replays for `est`, e bytes an activation element: (profile, actions,
+    chunks, work, wait, latency)."""
     par, cpu, b = est.par, est.cluster.cpu, est.micro_batch
     if par.world != cpu.world:
         raise ValueError(f"this CPU calibration is for world={cpu.world} ranks (threads and time-sharing depend "
@@ -227,9 +227,10 @@ def _pipeline(cfg, est, e: int):
 
 
 def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
-    """(seconds, breakdown by planner.TERMS, the replayed pipeline) of `est`'s layout on its Cluster's
-    CPU (module docstring). The Timeline is the schedule as replayed with the cores shared, in seconds,
-    the DP and optimizer time after it left out (what `viz_pipeline.gantt` draws beside a measured one)."""
+    """(seconds, breakdown by planner.TERMS, the replayed pipeline) of `est`'s layout on its
+    Cluster's CPU (module docstring). The Timeline is the schedule as replayed with the cores
+    shared, in seconds, the DP and optimizer time after it left out (what `viz_pipeline.gantt` draws
+    beside a measured one)."""
     par, cpu, p = est.par, est.cluster.cpu, est.par.pp
     per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
     prof, actions, chunks, work, wait, latency = _pipeline(cfg, est, e)

@@ -127,7 +127,8 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
         g = 4 if par.precision == "fp32" or (par.precision in ("bf16", "fp16") and par.reduce_fp32) else per["grads"]
         total = all_reduce(g * psi, n, link)
         return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
-    rs, ag = gather_or_scatter(per["grads"] * psi, n, link), gather_or_scatter(per["params"] * psi, n, link)
+    rs = gather_or_scatter(per["grads"] * psi, n, link)
+    ag = gather_or_scatter(per["params"] * psi, n, link)
     if par.zero in (1, 2):
         return _overlap(rs, per["grads"] * psi, par.bucket_mb, window) + ag
     per_mb = 2 * ag + rs
@@ -145,7 +146,8 @@ def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
 
 
 def fit_efficiency(cfg, layer_step: float, micro_batch: int, tp: int, cluster: Cluster,
-                   sequence_parallel: bool = True, materialized: bool = False, precision: str = "bf16") -> float:
+                   sequence_parallel: bool = True, materialized: bool = False,
+                   precision: str = "bf16") -> float:
     """The efficiency that makes one layer's forward + backward (no recomputation) take `layer_step`
     seconds: the matmul FLOPs over the time left once this model's TP and memory-bound time are taken off.
 

@@ -16,17 +16,18 @@
                   schedule's own actions: an F adds its chunk, the chunk's last backward op frees it),
                   + the token ids on the first chunk, the head and loss on the last
                 comm: DP buckets or ZeRO's gathered units, as memory.predict counts them
-                (`stage_memory`: memory.rank_states of each rank's memory.rank_units, the same functions
-                memory.predict adds up, and memory.pipeline_activations over the schedule's actions)
-    timeline  the slowest replica's pipeline as simulated, in seconds (`Estimate.timeline`): what the
-                lessons draw, never recomputed
+                (`stage_memory`: memory.rank_states of each rank's memory.rank_units, which
+                memory.predict adds up too, and memory.pipeline_activations over the schedule)
+    timeline  the slowest replica's pipeline as simulated, in seconds (`Estimate.timeline`):
+                what the lessons draw, never recomputed
 
-`global_batch` and `micro_batch` count sequences: each pipeline runs m = global_batch / (dp * micro_batch)
-micro-batches (par.microbatches is replaced by it). A layout may use fewer GPUs than the cluster has (the
-first par.world ranks); `plan` always uses them all. `estimate` is `split_layout` (validate, split layers and
-micro-batches, size the memory) then `time_layout` (the step time); `plan` runs the second only on layouts
-that fit. `time_layout` is the one place that chooses the time model: a Cluster with a CPU calibration is
-timed by cpu_time.py, any other by gpu_time.py.
+`global_batch` and `micro_batch` count sequences: each pipeline runs m = global_batch / (dp *
+micro_batch) micro-batches (par.microbatches is replaced by it). A layout may use fewer GPUs than
+the cluster has (the first par.world ranks); `plan` always uses them all. `estimate` is
+`split_layout` (validate, split layers and micro-batches, size the memory) then `time_layout` (the
+step time); `plan` runs the second only on layouts that fit. `time_layout` is the one place that
+chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
+gpu_time.py.
 
 Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one efficiency, 0.69, from their
 Table 4; tests/test_planner.py), seconds a step, predicted / published:
@@ -72,8 +73,9 @@ class Estimate:
     step_time: float = math.nan
     breakdown: dict = field(default_factory=dict)
     model_flops: float = 0.0
-    timeline: pipeline.Timeline | None = None  # the slowest replica's pipeline as timed, seconds (the DP
-    #   and optimizer time after it left out); on a CPU cluster cpu_time's replay with the cores shared
+    # the slowest replica's pipeline as timed, in seconds (the DP and optimizer time after it left
+    # out); on a CPU cluster, cpu_time's replay with the cores shared
+    timeline: pipeline.Timeline | None = None
 
     @property
     def total_memory(self) -> float:
@@ -137,26 +139,33 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
     (memory.rank_units; DP rank 0, the fullest) and the activation peak of its schedule `actions`
     (memory.pipeline_activations), at `per` bytes a parameter and `e` an activation element."""
     # Korthikanti's attention matrix, 5 a s^2 b / t bytes a layer, if materialized and kept
-    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if materialized and par.recompute == "none" else 0
+    kept = materialized and par.recompute == "none"
+    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0
     peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
-    return [memory.by_category(memory.rank_states(par, memory.rank_units(cfg, par.tp, layers, par.pp, r), per),
-                               peaks[r]) for r in range(par.pp)]
+    units = [memory.rank_units(cfg, par.tp, layers, par.pp, r) for r in range(par.pp)]
+    states = [memory.rank_states(par, units[r], per) for r in range(par.pp)]
+    return [memory.by_category(states[r], peaks[r]) for r in range(par.pp)]
 
 
-def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attention: str = "flash") -> Estimate:
-    """Validate, split layers and micro-batches, and size the memory: an Estimate with everything but
-    the time (`time_layout` adds it)."""
+def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
+                 attention: str = "flash") -> Estimate:
+    """Validate, split layers and micro-batches, and size the memory: an Estimate with everything
+    but the time (`time_layout` adds it)."""
     if attention not in ("flash", "materialized"):
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
     p, chunks, dp, tp = par.pp, par.pp * par.virtual_stages, par.dp, par.tp
-    speed = [cluster.rate(grid_ranks(dp, tp, p, pp_rank=r), par.precision) for r in range(p)]
+    stage, replica = ([grid_ranks(dp, tp, p, pp_rank=r) for r in range(p)],
+                      [grid_ranks(dp, tp, p, dp_rank=j) for j in range(dp)])
+    speed = [cluster.rate(ranks, par.precision) for ranks in stage]
     layers = _proportional(cfg.n_layer, [speed[c % p] for c in range(chunks)])
     unit = p if par.schedule == "interleaved-1f1b" else 1
-    shares = _proportional(dp * par.microbatches, [cluster.rate(grid_ranks(dp, tp, p, dp_rank=j), par.precision)
-                                                   for j in range(dp)], unit)
-    capacity = [min(cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, p, pp_rank=r)) for r in range(p)]
-    sizing = (attention == "materialized", memory.layout_bytes(par.precision), memory.element_bytes(par.precision),
+    rates = [cluster.rate(ranks, par.precision) for ranks in replica]
+    shares = _proportional(dp * par.microbatches, rates, unit)
+    capacity = [min(cluster.device(x).memory_per_gpu for x in ranks) for ranks in stage]
+    # computed once for every sizing below: bytes a parameter, an activation, the schedule's actions
+    sizing = (attention == "materialized", memory.layout_bytes(par.precision),
+              memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, p, max(shares), par.virtual_stages))
     mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
     for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers out of full stages
@@ -170,7 +179,8 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attenti
         mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
     fullest = max(range(p), key=lambda r: sum(mem[r].values()) / capacity[r])
     return Estimate(cfg, par, cluster, global_batch, micro_batch, mem[fullest], capacity[fullest],
-                    tuple(layers), tuple(shares), mem, model_flops=global_batch * cfg.seq_len * cfg.flops_per_token)
+                    tuple(layers), tuple(shares), mem,
+                    model_flops=global_batch * cfg.seq_len * cfg.flops_per_token)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -178,26 +188,29 @@ def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, l
     """The Timeline of a schedule; costs are normalised by the caller so that layouts with the same
     proportions share one simulation (cached: the caller must not modify it)."""
     cost = {"F": list(F), "B": list(B), "W": list(W)}
-    return pipeline.simulate(pipeline.cached_schedule(name, p, m, v), p, m, v, cost=cost, latency=latency)
+    actions = pipeline.cached_schedule(name, p, m, v)
+    return pipeline.simulate(actions, p, m, v, cost=cost, latency=latency)
 
 
 def _pipeline_time(par, costs: list[dict], m: int, latency: float):
-    """(makespan with messages, makespan without, busiest rank, the Timeline with messages in seconds)
-    of one replica's pipeline."""
+    """(makespan with messages, makespan without, busiest rank, the Timeline with messages in
+    seconds) of one replica's pipeline."""
     per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
     u = max(per_op["F"]) or 1.0
     norm = {op: tuple(round(x / u, 9) for x in xs) for op, xs in per_op.items()}
     args = (par.schedule, par.pp, m, par.virtual_stages, norm["F"], norm["B"], norm["W"])
     free = _simulate(*args, 0.0)
     with_msgs = _simulate(*args, round(latency / u, 9)) if par.pp > 1 else free
-    seconds = pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank] for rank in with_msgs.events])
+    seconds = pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank]
+                                 for rank in with_msgs.events])
     busy = free.busy
-    return u * with_msgs.makespan, u * free.makespan, max(range(par.pp), key=lambda r: busy[r]), seconds
+    busiest = max(range(par.pp), key=lambda r: busy[r])
+    return u * with_msgs.makespan, u * free.makespan, busiest, seconds
 
 
-def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple[float, dict, list, object]:
-    """Seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, and its
-    Timeline; `e` bytes an activation element."""
+def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
+    """(seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, its
+    Timeline); `e` bytes an activation element."""
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
     p, chunks = par.pp, len(est.layers)
     costs = []
@@ -217,7 +230,8 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple[f
 
 
 def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, pipeline.Timeline]:
-    """(seconds, breakdown by TERMS, the slowest replica's Timeline) of `est` on its GPUs (gpu_time.py)."""
+    """(seconds, breakdown by TERMS, the slowest replica's Timeline) of `est` on its GPUs
+    (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
     per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
     replicas = {}
@@ -232,7 +246,8 @@ def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, pipeline.
         backward = sum(v for c in mine for op in ("B", "W") for v in costs[c][op].values())
         compute = backward + sum(costs[c]["F"].get("compute", 0.0) for c in mine)
         stage = grid_ranks(par.dp, par.tp, p, pp_rank=r)
-        dp = max(dp, dp_time(par, sum(units), per, cluster.link(stage[::par.tp]), backward, compute, len(units)))
+        link = cluster.link(stage[::par.tp])
+        dp = max(dp, dp_time(par, sum(units), per, link, backward, compute, len(units)))
         hbm = min(cluster.device(x).memory_bandwidth for x in stage)
         opt = max(opt, optimizer_time(sum(units) / (par.dp if par.zero else 1), per, hbm))
     return span + dp + opt, {**terms, "dp_comm": dp, "optimizer": opt}, timeline
@@ -241,9 +256,9 @@ def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, pipeline.
 def time_layout(cfg, est: Estimate, attention: str = "flash") -> Estimate:
     """`est` (from `split_layout`) with its step time, breakdown and timeline filled in.
 
-    The one place the time model is chosen: a Cluster with a CPU calibration (its `cpu` field, which
-    calibrate.this_machine and calibrate.cluster_of set) is timed by cpu_time.py, from the model's own
-    layer measured on this machine; any other Cluster by the GPU model, gpu_time.py (`gpu_step`)."""
+    The one place the time model is chosen: a Cluster with a CPU calibration (its `cpu` field, set
+    by calibrate.this_machine and cluster_of) is timed by cpu_time.py, from the model's own layer
+    measured on this machine; any other Cluster by the GPU model, gpu_time.py (`gpu_step`)."""
     if est.cluster.cpu is not None:
         est.step_time, est.breakdown, est.timeline = cpu_time.step_time(cfg, est)
     else:
@@ -257,4 +272,5 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the activations
     then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is recomputed)."""
-    return time_layout(cfg, split_layout(cfg, par, cluster, global_batch, micro_batch, attention), attention)
+    est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention)
+    return time_layout(cfg, est, attention)

@@ -58,7 +58,8 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages, zero, precision):
         for rc in recompute:
             try:
-                est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b, attention)
+                est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b,
+                                   attention)
             except ValueError:
                 break
             if est.fits:
@@ -74,7 +75,7 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
 def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
     for par, b in candidates(cfg, cluster, global_batch, (1,), precision=precision):
         try:
-            est = split_layout(cfg, par.replace(recompute="full"), cluster, global_batch, b, "flash")
+            est = split_layout(cfg, par.replace(recompute="full"), cluster, global_batch, b)
         except ValueError:
             continue
         if est.fits:
