@@ -10,13 +10,20 @@ on CPU there is no allocator statistic, which is why we count.
 states by the ZeRO paper's formulas (fp32 4 + 4 + 8 bytes a parameter, mixed precision 2 + 2 + 12),
 activations by Korthikanti et al.'s per-layer count adjusted to what this GPT saves, communication
 buffers by what each technique allocates. `zero_table` recomputes the ZeRO paper's Table I.
+
+Each fact is written once, and the planner (minipar/planner/) counts with the same functions:
+`chunk_units` is the parameters one TP rank holds of a model chunk (every other parameter count is
+their sum), `rank_states` a rank's model states and communication buffers as zero.py allocates them,
+`element_bytes` and `layout_bytes` what an activation and a parameter's states take.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
+
+from minipar.pipeline.runtime import partition
+from minipar.pipeline.schedules import cached_schedule
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
 
@@ -118,8 +125,15 @@ def layout_bytes(precision: str) -> dict[str, int]:
     return dict({"fp32": FP32, "pure-bf16": PURE_BF16}.get(precision, MIXED))
 
 
+def element_bytes(precision: str) -> int:
+    """Bytes of an activation element: 4 in fp32, 2 for a model held in 16 bits (precision.py's
+    MixedPrecision casts the model for "bf16", "fp16" and "pure-bf16")."""
+    return 4 if precision == "fp32" else 2
+
+
 def model_states(psi: float, n_d: int, stage: int, bytes_per_param: dict | None = None) -> dict[str, float]:
-    """The ZeRO paper's model states per device, bytes, for Psi parameters over N_d ranks (no padding):
+    """The ZeRO paper's model states per device, bytes, for Psi parameters over N_d ranks, as the
+    paper writes them (no padding; what zero.py allocates, padding included, is `rank_states`):
 
         stage 0 (DP)  2Psi + 2Psi + K Psi            = 16 Psi             (MIXED: K = 12)
         stage 1       2Psi + 2Psi + K Psi / N_d      = 4 Psi + 12 Psi / N_d
@@ -138,14 +152,35 @@ def zero_table(psi: float, n_d: int, k: int = 12) -> dict[int, float]:
     return {stage: sum(model_states(psi, n_d, stage, per).values()) / 1e9 for stage in range(4)}
 
 
-def units(cfg) -> list[tuple[str, int]]:
-    """(name, parameters) of the ZeRO-3 units in forward order, as `zero.Zero3` cuts the GPT:
+def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
+    """Parameters one of t tensor-parallel ranks holds of a model chunk of `layers` blocks (the
+    embeddings on the first chunk, ln_f and the head on the last), as the ZeRO-3 units `zero.Zero3`
+    cuts, in forward order. tensor_parallel.py cuts the matrices, the embeddings and the head;
+    LayerNorms, row-parallel biases and positions stay whole:
 
-        tok_emb V h | pos_emb s h | block 12h^2 + 12h (each of l) | ln_f 2h | head V h + V
-    """
-    h, V = cfg.d_model, cfg.vocab_size
-    blocks = [(f"blocks.{i}", 12 * h * h + 12 * h) for i in range(cfg.n_layer)]
-    return [("tok_emb", V * h), ("pos_emb", cfg.seq_len * h), *blocks, ("ln_f", 2 * h), ("head", V * h + V)]
+      tok_emb V h/t | pos_emb s h | block (12 h^2 + 6 h)/t + 6 h each | ln_f 2 h | head (V h + V)/t
+
+    The one parameter formula: every count below is a sum of these (t = 1, whole model:
+    cfg.num_params)."""
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    units = [V * h // t, s * h] if first else []
+    units += [(12 * h * h + 6 * h) // t + 6 * h] * layers
+    return units + ([2 * h, (V * h + V) // t] if last else [])
+
+
+def chunk_layers(cfg, par) -> list[int]:
+    """Layers of each of the pp * virtual_stages model chunks, as pipeline.runtime.partition cuts
+    them (or as par.stage_layers says)."""
+    chunks = partition(cfg.n_layer, par.pp * par.virtual_stages, layers=par.stage_layers)
+    return [len(c) for c in chunks]
+
+
+def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int) -> list[int]:
+    """The units (`chunk_units`) of every chunk pipeline rank `pp_rank` holds: chunk k of
+    len(layers), with layers[k] blocks, lives on rank k % pp (pipeline.rank_of)."""
+    n = len(layers)
+    mine = range(pp_rank, n, pp)
+    return [u for c in mine for u in chunk_units(cfg, t, layers[c], c == 0, c == n - 1)]
 
 
 def _shard(total: int, n: int, rank: int) -> tuple[int, int]:
@@ -171,13 +206,11 @@ def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1, sp: b
 
 
 def tp_params(cfg, t: int = 1) -> int:
-    """Parameters each of t tensor-parallel ranks holds (tensor_parallel.py cuts the matrices, the
-    embeddings and the head; LayerNorms, row-parallel biases and positions stay whole):
+    """Parameters each of t tensor-parallel ranks holds, the sum of the whole model's `chunk_units`:
 
         (12 l h^2 + 6 l h + 2 V h + V) / t  +  6 l h + s h + 2 h       (t = 1: cfg.num_params)
     """
-    l, h, V, s = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len
-    return (12 * l * h * h + 6 * l * h + 2 * V * h + V) // t + 6 * l * h + s * h + 2 * h
+    return sum(chunk_units(cfg, t, cfg.n_layer, True, True))
 
 
 def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: bool = False,
@@ -243,9 +276,19 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
         raise NotImplementedError("predict covers ZeRO-3 with dp alone")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision)
-    n, stage, psi = par.dp, par.zero, stage_params(cfg, par, pp_rank)
-    sizes = [size for _, size in units(cfg)] if stage == 3 else [psi]
-    shards = [_shard(size, n, rank) for size in sizes]
+    units = rank_units(cfg, par.tp, chunk_layers(cfg, par), par.pp, pp_rank)
+    b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch, dp_shares
+    activations = stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank)
+    return by_category(rank_states(par, units, per, rank), activations)
+
+
+def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str, int]:
+    """Model states and communication buffers, bytes {params, grads, optimizer, comm}, of DP rank
+    `dp_rank` holding the units `sizes` (`rank_units`) at `per` bytes a parameter, as zero.py and
+    data_parallel.py allocate them (`predict` gives the formulas): ZeRO-3 pads each unit on its own,
+    stages 0-2 one flat buffer of their sum. predict and the planner's stages count with it."""
+    n, stage, psi = par.dp, par.zero, sum(sizes)
+    shards = [_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
     if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its masters' instead)
         own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32  # else the masters'
@@ -258,27 +301,22 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     else:             # a unit and the next one, prefetched, gathered at once
         full = [n * s for s, _ in shards]
         comm = per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)
-    b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch (dp_shares)
     return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
             "grads": per["grads"] * (psi if stage < 2 else shard),
             "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
-            "activations": stage_activations(cfg, par, b, 4 if par.precision == "fp32" else 2, pp_rank),
             "comm": comm}
 
 
+def by_category(states: dict, activations: int) -> dict[str, int]:
+    """A rank's memory in CATEGORIES order: `rank_states`' states and buffers, its activations."""
+    return {c: activations if c == "activations" else states[c] for c in CATEGORIES}
+
+
 def stage_params(cfg, par, pp_rank: int = 0) -> int:
-    """Parameters of one rank of pipeline stage `pp_rank`: the layers of its chunks (chunk k of
-    pp * virtual_stages on rank k % pp, layers cut as pipeline.runtime.partition cuts them, or as
-    par.stage_layers says), the embeddings on the first chunk, ln_f and the head on the last; each cut
-    by tp (`tp_params`)."""
-    from minipar.pipeline.runtime import partition
-    if par.pp == 1:
-        return tp_params(cfg, par.tp)
-    h, V, s, t, chunks = cfg.d_model, cfg.vocab_size, cfg.seq_len, par.tp, par.pp * par.virtual_stages
-    layers = partition(cfg.n_layer, chunks, layers=par.stage_layers)
-    mine = range(pp_rank, chunks, par.pp)
-    return (sum(len(layers[k]) for k in mine) * ((12 * h * h + 6 * h) // t + 6 * h)
-            + (V * h // t + s * h) * (0 in mine) + (2 * h + (V * h + V) // t) * (chunks - 1 in mine))
+    """Parameters of one rank of pipeline stage `pp_rank`: the sum of its `rank_units` (its chunks,
+    layers cut as `chunk_layers` says; the embeddings on the first chunk, ln_f and the head on the
+    last), each cut by tp (`tp_params` when pp = 1)."""
+    return sum(rank_units(cfg, par.tp, chunk_layers(cfg, par), par.pp, pp_rank))
 
 
 def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: int = 0) -> int:
@@ -286,30 +324,23 @@ def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: i
     return pipeline_activations(cfg, par, micro_batch, element_bytes)[pp_rank]
 
 
-@functools.lru_cache(maxsize=256)
-def schedule_actions(name: str, p: int, m: int, v: int) -> list:
-    """`pipeline.schedule`, cached (the planner walks the same schedules many times; do not modify)."""
-    from minipar.pipeline import schedule
-    return schedule(name, p, m, v)
-
-
 def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers: list[int] | None = None,
-                         microbatches: int | None = None, extra_per_layer: int = 0) -> list[int]:
+                         actions: tuple | None = None, extra_per_layer: int = 0) -> list[int]:
     """Peak bytes saved for backward on each pipeline rank. One process: `activations`. A pipeline: walk
     each rank's actions in the schedule's order; each F adds its chunk's activations of one micro-batch
     (its layers; the ids and positions on the first chunk, ln_f, the loss and the targets on the last),
     which stay until that micro-batch's backward (its W, if the schedule splits backward: B keeps the
     graph for W). The peak is the schedule's memory, in bytes. layers: layers per chunk (default
-    par.stage_layers or `partition`'s even split); microbatches: default par.microbatches;
+    `chunk_layers`); actions: the schedule's (default par's, `pipeline.cached_schedule`);
     extra_per_layer: bytes a layer saves besides (the planner's materialised attention matrix)."""
     parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp, par.sequence_parallel,
                         par.recompute)
     per_layer = parts["layers"] + extra_per_layer
     if par.pp == 1:
         return [per_layer * cfg.n_layer + parts["head"] + parts["tokens"]]
-    from minipar.pipeline.runtime import partition
     chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
-    layers = layers or [len(c) for c in partition(cfg.n_layer, chunks, layers=par.stage_layers)]
+    layers = layers or chunk_layers(cfg, par)
+    actions = actions or cached_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)  # targets: in "head"
     # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes the
     # head's output gradient in place, which W still holds)
@@ -317,12 +348,13 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers:
     held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
     peaks = []
-    for actions in schedule_actions(par.schedule, par.pp, microbatches or par.microbatches, par.virtual_stages):
-        split = any(a.op == "W" for a in actions)  # then B frees only the loss's part (after the last module)
+    for mine in actions:
+        split = any(a.op == "W" for a in mine)  # then B frees only the loss's part (after the last
+        #                                         module)
         freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
                  "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
         current = peak = 0
-        for a in actions:
+        for a in mine:
             current += held[a.stage] if a.op == "F" else -freed[a.op][a.stage]
             peak = max(peak, current)
         peaks.append(peak)
@@ -341,11 +373,11 @@ def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, 
     With par.collectives == "torch" the names get a "torch_" prefix. Nothing is sent when N = 1.
     """
     per = bytes_per_param or layout_bytes(par.precision)
-    n, psi = par.dp, tp_params(cfg, par.tp)
+    n, units = par.dp, chunk_units(cfg, par.tp, cfg.n_layer, True, True)
     if n == 1:
         return {}
-    sizes = [size for _, size in units(cfg)] if par.zero == 3 else [psi]
-    shard = sum(_shard(size, n, 0)[0] for size in sizes)
+    psi = sum(units)
+    shard = sum(_shard(size, n, 0)[0] for size in (units if par.zero == 3 else [psi]))
     if par.zero == 0:
         sent = {"all_reduce": 2 * (n - 1) / n * per["grads"] * psi}
     else:

@@ -8,13 +8,29 @@ so the ranks of one tensor-parallel group are consecutive and stay on one node (
 the most frequent and need the fastest links), DP groups stride over tp, and pipeline stages are
 the outermost blocks (their point-to-point traffic is the lightest). This is Megatron-LM's order.
 
-A `Mesh` is a value: built once, validated, passed explicitly. No module-level group state.
+`rank_at` is that formula and `grid_ranks` the ranks of a stage, a replica or a TP group, as pure
+functions of (dp, tp, pp): the planner places layouts with them, without processes. A `Mesh` is a
+value: built once, validated, passed explicitly. No module-level group state.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+
+def rank_at(dp: int, tp: int, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> int:
+    """The global rank at (dp_rank, tp_rank, pp_rank) of a dp x tp (x pp) grid, tp innermost."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def grid_ranks(dp: int, tp: int, pp: int, pp_rank: int | None = None,
+               dp_rank: int | None = None) -> list[int]:
+    """Global ranks, ascending, of pipeline stage `pp_rank`'s block (every replica), of DP replica
+    `dp_rank` (every stage), or, with both, of one TP group; of the whole grid with neither."""
+    stages = range(pp) if pp_rank is None else [pp_rank]
+    replicas = range(dp) if dp_rank is None else [dp_rank]
+    return [rank_at(dp, tp, j, k, i) for i in stages for j in replicas for k in range(tp)]
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,7 @@ class Mesh:
                       pp_rank=rank // (self.tp * self.dp))
 
     def global_rank(self, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return rank_at(self.dp, self.tp, dp_rank, tp_rank, pp_rank)
 
     def axis_groups(self, axis: str) -> list[list[int]]:
         """All groups of global ranks along `axis` ("dp", "tp" or "pp"): the ranks that differ only there."""
@@ -77,14 +93,6 @@ class Mesh:
     @property
     def pp_rank(self) -> int:
         return self.coords().pp_rank
-
-    @property
-    def pp_is_first(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def pp_is_last(self) -> bool:
-        return self.pp_rank == self.pp - 1
 
     @classmethod
     def build(cls, dp: int = 1, tp: int = 1, pp: int = 1) -> "Mesh":

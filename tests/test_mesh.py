@@ -4,7 +4,7 @@ import workers_launch as w
 
 import minipar
 from minipar import Mesh
-from minipar.mesh import Coords
+from minipar.mesh import Coords, grid_ranks
 
 
 def test_layout_is_tp_innermost_then_dp_then_pp():
@@ -15,6 +15,14 @@ def test_layout_is_tp_innermost_then_dp_then_pp():
     assert mesh.axis_groups("tp") == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     assert mesh.axis_groups("dp") == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]
     assert mesh.axis_groups("pp") == [[0, 6], [1, 7], [2, 8], [3, 9], [4, 10], [5, 11]]
+
+
+def test_grid_ranks_are_the_mesh_blocks():
+    mesh = Mesh(dp=2, tp=3, pp=2)
+    assert grid_ranks(2, 3, 2, pp_rank=1) == list(range(6, 12))         # a stage, every replica
+    assert grid_ranks(2, 3, 2, dp_rank=1) == [3, 4, 5, 9, 10, 11]       # a replica, every stage
+    assert grid_ranks(2, 3, 2, pp_rank=1, dp_rank=0) in mesh.axis_groups("tp")  # a TP group
+    assert grid_ranks(2, 3, 2) == list(range(mesh.world))
 
 
 def test_every_rank_is_in_exactly_one_group_per_axis():

@@ -2,11 +2,14 @@
 
 No processes: everything here is arithmetic and the pipeline simulator.
 """
+import ast
 import dataclasses
 import math
+import pathlib
 
 import pytest
 
+import minipar
 from minipar import memory
 from minipar.config import ParallelConfig
 from minipar.model import GPTConfig
@@ -20,7 +23,7 @@ from minipar.planner import (
     plan,
 )
 from minipar.planner.cluster import Cluster, GiB
-from minipar.planner.gpu_time import Work, calibrate, layer_cost, model_states
+from minipar.planner.gpu_time import Work, fit_efficiency, layer_cost
 
 A100 = "dgx-a100-80g"
 
@@ -40,7 +43,7 @@ def test_zero_paper_table_1(n_d):
         assert abs(table[stage] - published) <= half + 1e-9
         # the planner's model states (zero.py's padding included) give the same figures
         par = ParallelConfig(dp=n_d, zero=stage, precision="bf16")
-        states = model_states(par, [7_500_000_000], memory.layout_bytes("bf16"))
+        states = memory.rank_states(par, [7_500_000_000], memory.layout_bytes("bf16"))
         assert abs(sum(states[k] for k in ("params", "grads", "optimizer")) / 1e9 - published) <= half + 1e-9
 
 
@@ -56,6 +59,24 @@ def test_estimate_memory_equals_memory_predict(dp, tp, precision):
                                  sequence_parallel=tp > 1)
             est = estimate(cfg, par, cluster, global_batch=dp * 2 * 3, micro_batch=3)
             assert est.memory == pytest.approx(memory.predict(cfg, par, dp * 2 * 3), rel=0, abs=0), par.label
+
+
+@pytest.mark.parametrize("dp,tp,pp,zero", [(3, 1, 1, 0), (3, 1, 1, 1), (2, 1, 1, 2), (3, 1, 1, 3),
+                                           (2, 1, 2, 0), (2, 2, 2, 1), (2, 1, 4, 2)])
+def test_planner_stages_and_memory_predict_are_one_functions_output(dp, tp, pp, zero):
+    """The planner's memory of each stage and memory.predict's are memory.rank_states of the units
+    the rank holds (memory.rank_units), plus the activations: one formula, not two copies."""
+    cfg, m, b = GPTConfig.preset("tiny"), 4, 2
+    par = ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, precision="bf16",
+                         sequence_parallel=tp > 1)
+    est = estimate(cfg, par, Cluster.preset(A100), global_batch=dp * m * b, micro_batch=b)
+    assert list(est.layers) == memory.chunk_layers(cfg, est.par)
+    for r in range(pp):
+        states = memory.rank_states(est.par, memory.rank_units(cfg, tp, list(est.layers), pp, r),
+                                    memory.layout_bytes("bf16"))
+        for got in (est.stages[r], memory.predict(cfg, est.par, dp * m * b, pp_rank=r)):
+            assert {c: got[c] for c in states} == states and set(got) == set(memory.CATEGORIES)
+        assert est.stages[r] == memory.predict(cfg, est.par, dp * m * b, pp_rank=r)
 
 
 # ----------------------------------------------------------------------------- Korthikanti et al. 2022
@@ -95,7 +116,8 @@ def test_a100_efficiency_is_korthikanti_table_4_not_fitted_to_table_5():
     recomputing backwards (13.2 ms selective, 19.5 ms full) then come out within 10%."""
     cfg = GPTConfig(n_layer=1, n_head=64, d_model=6144, vocab_size=51200, seq_len=2048)
     cluster = Cluster.preset(A100)
-    assert cluster.efficiency == round(calibrate(cfg, 7.7e-3 + 11.9e-3, 4, 8, cluster, materialized=True), 2)
+    fitted = fit_efficiency(cfg, 7.7e-3 + 11.9e-3, 4, 8, cluster, materialized=True)
+    assert cluster.efficiency == round(fitted, 2)
     for recompute, forward, backward in (("none", 7.7e-3, 11.9e-3), ("selective", 7.7e-3, 13.2e-3),
                                          ("full", 7.7e-3, 19.5e-3)):
         w = Work(4, 8, True, recompute, 2, cluster.peak_flops * cluster.efficiency, cluster.memory_bandwidth,
@@ -200,3 +222,40 @@ def test_heterogeneous_layers_move_out_of_a_stage_that_overflows():
     assert roomy.layers[1] > 2 * roomy.layers[0]            # by speed: the H100s take most layers
     assert tight.fits and tight.layers[1] < tight.layers[0]  # by memory: 20 GiB holds fewer
     assert sum(tight.stages[1].values()) <= 20 * GiB
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def _imports() -> dict[str, set[str]]:
+    """{module: the minipar modules it imports, at top level or in a function}, from the sources."""
+    root = pathlib.Path(minipar.__file__).parent.parent
+    names = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in (root / "minipar").rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minipar"):
+                full = {f"{node.module}.{a.name}" for a in node.names}
+                found |= {m if m in names else node.module for m in full}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("minipar")}
+        graph[name] = {m for m in found if m in names and m not in (name, "minipar")}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """The import graph tells the truth: no circle, with the imports inside functions counted too
+    (the package's own __init__, which gathers the public names, aside)."""
+    graph = _imports()
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for m in graph[todo.pop()] - seen:
+                seen.add(m)
+                todo.append(m)
+        return seen
+
+    assert not [(m, d) for m in graph for d in graph[m] if m in reach(d)]

@@ -43,6 +43,7 @@ from minipar.lessons.explorer_html import KNOBS, SHAPE
 from minipar.model import GPTConfig
 from minipar.planner import estimate, explain, format_table, plan, this_machine
 from minipar.planner.cluster import Cluster
+from minipar.train import train
 
 # the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's presets
 PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144), "175B": dict(n_layer=96, n_head=96, d_model=12288),
@@ -242,7 +243,6 @@ class Explorer:
         return self._thread
 
     def _run(self, cfg, est, steps) -> None:
-        from minipar.train import train
         try:
             self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch, timeout=RUN_TIMEOUT,
                                 on_step=lambda loss, tokens: setattr(self.progress, "value", self.progress.value + 1))
@@ -275,7 +275,7 @@ class Explorer:
         if boxes > MAX_BOXES:
             plots.append(explorer_html.text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
         else:
-            tl = viz_planner.timeline(est)
+            tl = est.timeline
             plots.append(explorer_html.png(viz_pipeline.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
         return plots, ranking
 

@@ -16,7 +16,7 @@ import statistics
 
 import matplotlib.pyplot as plt
 
-from minipar.lessons import viz, viz_pipeline, viz_planner
+from minipar.lessons import viz, viz_pipeline
 from minipar.mesh import Mesh
 from minipar.pipeline import Timeline
 from minipar.planner import TERMS
@@ -89,7 +89,7 @@ def measured(est, res) -> list[dict]:
     if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
         first = [r for r, c in enumerate(coords) if c.dp_rank == 0 and c.tp_rank == 0]
         measured = Timeline.from_events([res.timelines[r] for r in sorted(first, key=lambda r: coords[r].pp_rank)])
-        predicted = viz_planner.timeline(est)
+        predicted = est.timeline
         fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True, layout="constrained")
         viz_pipeline.gantt(predicted, ax=axes[0], title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
         viz_pipeline.gantt(measured, ax=axes[1], title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")

@@ -1,8 +1,8 @@
 """Plots for the planner lesson (07): each function takes planner `Estimate`s (or plain numbers) and returns a
-matplotlib Figure, except `timeline`, which rebuilds the pipeline timeline an estimate simulated.
+matplotlib Figure. They draw what an estimate holds and recompute nothing: the pipeline an
+estimate simulated is `est.timeline` (a `pipeline.Timeline` in seconds, for `viz_pipeline.gantt`;
+its makespan + dp_comm + optimizer is the step time).
 
-    timeline(est)             the slowest DP replica's pipeline as `estimate` simulated it: a `pipeline.Timeline`
-                              in seconds, for `viz_pipeline.gantt`; its makespan + dp_comm + optimizer is the step time
     memory_stages(est)        memory per GPU of every pipeline stage, stacked by category, beside its capacity
     breakdown(estimates)      step times cut into the planner's terms (planner.TERMS), one bar per estimate
     ratios(rows)              predicted / published for several runs, with a band (e.g. the 10% we promise)
@@ -13,41 +13,14 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from minipar import pipeline, planner
-from minipar.planner import predict
-from minipar.memory import CATEGORIES, schedule_actions
+from minipar import planner
+from minipar.memory import CATEGORIES
+from minipar.mesh import grid_ranks
 from minipar.planner.cluster import GiB
-from minipar.planner.gpu_time import p2p
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 TERM_COLOURS = dict(zip(planner.TERMS, ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#C8C8C8", "#DA8BC3",
                                         "#55A868", "#C44E52"]))
-
-
-def timeline(est, attention: str = "flash") -> pipeline.Timeline:
-    """The pipeline of `est`'s slowest DP replica, simulated as `planner.estimate` simulates it: each chunk's
-    F, B (and W) seconds a micro-batch from the cost model, each message's point-to-point time as latency.
-    `attention` must be the one the estimate was made with. On `planner.this_machine` it is cpu_time.py's
-    replay instead, with the cores shared (`cpu_time.timeline`)."""
-    par, cfg, cluster = est.par, est.cfg, est.cluster
-    if cluster.cpu is not None:
-        from minipar.planner import cpu_time
-        return cpu_time.timeline(cfg, est)
-    slowest, seen = None, set()
-    for j, m in enumerate(est.shares):  # identical replicas (same share, same GPU kinds) simulate alike
-        key = (m, tuple(cluster.device(r).name for r in predict._ranks(par, replica=j)))
-        if key not in seen:
-            seen.add(key)
-            span, _, costs = predict._replica_time(cfg, est, j, attention)
-            if slowest is None or span > slowest[0]:
-                slowest = (span, j, costs)
-    _, j, costs = slowest
-    e = 4 if par.precision == "fp32" else 2
-    message = est.micro_batch * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
-    latency = p2p(message, cluster.link(predict._ranks(par, replica=j)[::par.tp])) if par.pp > 1 else 0.0
-    p, m, v = par.pp, est.shares[j], par.virtual_stages
-    per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
-    return pipeline.simulate(schedule_actions(par.schedule, p, m, v), p, m, v, cost=per_op, latency=latency)
 
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:
@@ -61,8 +34,9 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
         gib = [est.stages[r].get(cat, 0) / GiB for r in stages]
         ax.bar(list(stages), gib, 0.7, bottom=bottom, color=COLOURS[i], label=cat)
         bottom = [b + g for b, g in zip(bottom, gib)]
-    capacity = [min(est.cluster.device(x).memory_per_gpu for x in predict._ranks(est.par, stage=r)) / GiB
-                for r in stages]
+    dp, tp, pp = est.par.dp, est.par.tp, est.par.pp
+    capacity = [min(est.cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, pp, pp_rank=r))
+                / GiB for r in stages]
     ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2, label="capacity")
     if len(est.stages) <= 16:
         for r, total in zip(stages, bottom):
@@ -131,9 +105,9 @@ def splits(estimates: dict, title: str = "how the work is split") -> Figure:
     colour["several kinds"] = "#A0A0A0"
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(estimates)), sharey=True, layout="constrained")
     for y, (label, e) in enumerate(estimates.items()):
-        p = e.par.pp
-        parts = (("layers", e.layers, lambda c: predict._ranks(e.par, stage=c % p)),
-                 ("micro-batches", e.shares, lambda j: predict._ranks(e.par, replica=j)))
+        dp, tp, p = e.par.dp, e.par.tp, e.par.pp
+        parts = (("layers", e.layers, lambda c: grid_ranks(dp, tp, p, pp_rank=c % p)),
+                 ("micro-batches", e.shares, lambda j: grid_ranks(dp, tp, p, dp_rank=j)))
         for ax, (_, counts, ranks_of) in zip(axes, parts):
             left = 0
             for i, n in enumerate(counts):

@@ -9,6 +9,7 @@
 from minipar.pipeline.schedules import (
                                         SCHEDULES,
                                         Action,
+                                        cached_schedule,
                                         check,
                                         gpipe,
                                         inputs,
@@ -23,5 +24,6 @@ from minipar.pipeline.schedules import (
 )
 from minipar.pipeline.simulate import Timeline, simulate, to_chrome_trace
 
-__all__ = ["SCHEDULES", "Action", "Timeline", "check", "gpipe", "inputs", "interleaved_1f1b", "one_f_one_b",
-           "rank_of", "replay", "schedule", "simulate", "stage_of", "to_chrome_trace", "validate", "zb_h1"]
+__all__ = ["SCHEDULES", "Action", "Timeline", "cached_schedule", "check", "gpipe", "inputs",
+           "interleaved_1f1b", "one_f_one_b", "rank_of", "replay", "schedule", "simulate",
+           "stage_of", "to_chrome_trace", "validate", "zb_h1"]

@@ -32,6 +32,7 @@ same rule the runtime follows: sends never block, an action waits only for the i
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 OPS = ("F", "B", "W")
@@ -163,6 +164,13 @@ def schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1)
     if name == "interleaved-1f1b":
         return interleaved_1f1b(stages, microbatches, virtual_stages)
     return SCHEDULES[name](stages, microbatches)
+
+
+@functools.lru_cache(maxsize=256)
+def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> tuple:
+    """`schedule`, cached and immutable (a tuple of each rank's tuple of actions): the planner, its
+    plots and the memory model walk the same schedules many times, and may share them safely."""
+    return tuple(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
 
 
 # ----------------------------------------------------------------------------- checking any action list

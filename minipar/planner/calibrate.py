@@ -25,13 +25,13 @@ Then the probes, every rank at once (`link_rank`; `run_layouts` repeats them bef
                            - (the matmuls alone) - (the all-reduce back to back)
                 step       seconds a ring step of back-to-back 1 KiB all-reduces: their time / 2 (g-1)
                 bandwidth  2 (g-1) / g MiB over the time a 1 MiB all-reduce adds to a 1 KiB one
-`this_machine(world)` is this machine as a Cluster (`cluster_of`); it caches the result per process and in a JSON file under the temporary directory,
-keyed by host, cores, torch version and world; `refresh=True` measures again.
+`this_machine(world)` is this machine as a Cluster (`cluster_of`); it reads the calibration from a
+JSON file under the temporary directory, keyed by host, cores, torch version and world, or measures
+and writes it there if there is none (or `refresh=True`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import platform
@@ -43,7 +43,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minipar import comm
+from minipar.launch import launch
+from minipar.model import GPTConfig
 from minipar.planner.cluster import Cluster, GiB
+from minipar.planner.layer_profile import micro_step
 
 
 @dataclass(frozen=True)
@@ -112,14 +116,14 @@ def machine_rank(reps: int = 7) -> dict:
     return out
 
 
-_GROUPS: dict = {}  # group size -> this rank's group, made once per job (every rank must make every group)
-
-
-def _group(g: int):
-    if g not in _GROUPS:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        _GROUPS[g] = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)][rank // g]
-    return _GROUPS[g]
+def probe_groups() -> dict:
+    """{group size g: this rank's group of g consecutive ranks}, for g in 2, 4, 8 dividing the
+    world: the groups `link_rank` probes. Collective: every rank calls it (each must make every
+    group)."""
+    rank, world, out = dist.get_rank(), dist.get_world_size(), {}
+    for g in (g for g in (2, 4, 8) if world % g == 0):
+        out[g] = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)][rank // g]
+    return out
 
 
 def _cycle(work, collective=None, seconds: float = 0.3) -> float:
@@ -141,13 +145,12 @@ def _cycle(work, collective=None, seconds: float = 0.3) -> float:
     return (time.perf_counter() - start) / n
 
 
-def link_rank(seconds: float = 0.15) -> dict:
+def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
     """The probes on every rank (module docstring): {"alone", "together": seconds of a micro-step of the tiny
     GPT, rank 0 alone and every rank at once; g: (all-reduce of 1 KiB after ~0.3 ms of matmuls, ~0.3 ms of
-    matmuls alone, all-reduce of 1 KiB back to back, of 1 MiB back to back) per group size g}."""
-    from minipar import comm
-    from minipar.model import GPTConfig
-    from minipar.planner.layer_profile import micro_step
+    matmuls alone, all-reduce of 1 KiB back to back, of 1 MiB back to back) per group size g}.
+    groups: `probe_groups()`, made once by a worker that probes several times (here if None)."""
+    groups = probe_groups() if groups is None else groups
     step = micro_step(GPTConfig.preset("tiny"), 2, 1, False, "none", "fp32", "plain")
     step()
     dist.barrier()
@@ -162,8 +165,7 @@ def link_rank(seconds: float = 0.15) -> dict:
             a @ w
 
     small, big = torch.zeros(256), torch.zeros(2 ** 18)
-    for g in (g for g in (2, 4, 8) if dist.get_world_size() % g == 0):
-        group = _group(g)
+    for g, group in groups.items():
         out[g] = (_cycle(work, lambda: comm.all_reduce(small, group), seconds), _cycle(work, None, seconds),
                   _cycle(None, lambda: comm.all_reduce(small, group), seconds / 2),
                   _cycle(None, lambda: comm.all_reduce(big, group), seconds / 2))
@@ -193,7 +195,6 @@ def with_links(cpu: CPU | None, probes: list[dict], machine: dict | None = None)
 
 def measure(world: int, reps: int = 7, timeout: float = 120.0) -> CPU:
     """Measure this machine for `world` local ranks (module docstring): one launch, a few seconds."""
-    from minipar.launch import launch
     ranks = launch(calibrate_rank, world, reps, backend="gloo", timeout=timeout)
     return with_links(None, [r["links"] for r in ranks], ranks[0]["machine"])
 
@@ -206,34 +207,34 @@ def _cache_path(world: int) -> str:
     return os.path.join(tempfile.gettempdir(), "minipar-calibration", f"{key}.json")
 
 
-@functools.lru_cache(maxsize=None)
-def _cached(world: int, generation: int) -> CPU:
-    path = _cache_path(world)
-    if generation == 0 and os.path.exists(path):
-        try:
-            with open(path) as f:
-                d = json.load(f)
-            d["links"] = [tuple(x) for x in d["links"]]
-            return CPU(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # a stale or broken cache: measure again
-    cpu = measure(world)
+def _read(world: int) -> CPU | None:
+    """The calibration cached for `world` ranks in the temporary directory, or None."""
+    try:
+        with open(_cache_path(world)) as f:
+            d = json.load(f)
+        d["links"] = [tuple(x) for x in d["links"]]
+        return CPU(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # no cache, or a stale or broken one: measure again
+
+
+def _write(cpu: CPU) -> None:
+    path = _cache_path(cpu.world)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(dataclasses.asdict(cpu), f)
-    return cpu
-
-
-_generation = [0]
 
 
 def this_machine(world: int = 1, refresh: bool = False) -> Cluster:
-    """This machine's CPU cores as a Cluster of `world` local ranks, measured (cached; `refresh` measures again)."""
+    """This machine's CPU cores as a Cluster of `world` local ranks: the calibration cached in the
+    JSON file (`_cache_path`), or, if there is none or `refresh`, measured and written there."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
-    if refresh:
-        _generation[0] += 1
-    return cluster_of(_cached(world, _generation[0]))
+    cpu = None if refresh else _read(world)
+    if cpu is None:
+        cpu = measure(world)
+        _write(cpu)
+    return cluster_of(cpu)
 
 
 def cluster_of(cpu: CPU) -> Cluster:

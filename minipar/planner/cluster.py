@@ -29,8 +29,9 @@ class Cluster:
     memory_bandwidth: float = 2.0e12  # HBM bytes/s: the memory-bound kernels and the optimizer step
     name: str = "custom"
     groups: tuple = ()        # heterogeneous: homogeneous Clusters in rank order (see `mixed`)
-    cpu: object = None        # local CPU ranks: a calibrate.CPU (calibrate.this_machine makes such a Cluster);
-                              # the planner then times steps with cpu_time.py instead of gpu_time.py
+    cpu: object = None        # None: GPUs, timed by gpu_time.py. A calibrate.CPU (set by
+                              # calibrate.this_machine, cluster_of): local CPU ranks, timed by
+                              # cpu_time.py instead (chosen in one place, predict.time_layout)
 
     # Vendor figures. intra_bandwidth is what NCCL moves over NVLink: 80% of the line rate (A100 300, H100
     # and H200 450 GB/s a direction), as NCCL's protocol costs about 20% (its maintainer, NVIDIA/nccl-tests
@@ -47,13 +48,13 @@ class Cluster:
                      intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
                      memory_bandwidth=4.8e12),           # 139 GiB: what torch reports on one H200 here
     }
-    # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row of
-    # a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer (t = 8, b = 4, SP) at 7.7 ms
-    # forward + 11.9 ms backward; take off this model's TP and memory-bound time and the matmuls ran at
-    # 0.69 of 312 TFLOP/s (`calibrate()` redoes it). H100, H200: no layer timing is published beside
-    # the figures we check, so the A100's 0.69 is assumed, unvalidated (the one Hopper measurement we
-    # have, an 8192^3 bf16 matmul at 790 of 989 TFLOP/s on an H200, is an upper bound): run
-    # `calibrate` on a measured layer to replace it.
+    # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row
+    # of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer (t = 8, b = 4, SP) at
+    # 7.7 ms forward + 11.9 ms backward; take off this model's TP and memory-bound time and the
+    # matmuls ran at 0.69 of 312 TFLOP/s (`gpu_time.fit_efficiency` redoes it). H100, H200: no layer
+    # timing is published beside the figures we check, so the A100's 0.69 is assumed, unvalidated
+    # (the one Hopper measurement we have, an 8192^3 bf16 matmul at 790 of 989 TFLOP/s on an H200,
+    # is an upper bound): run `gpu_time.fit_efficiency` on a measured layer to replace it.
     EFFICIENCY = {"dgx-a100-80g": 0.69, "dgx-h100": 0.69, "h200": 0.69}
 
     def __post_init__(self):

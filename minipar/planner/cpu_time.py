@@ -39,7 +39,8 @@ from __future__ import annotations
 import math
 
 from minipar import memory, pipeline
-from minipar.planner.gpu_time import chunk_params, chunk_units
+from minipar.pipeline.schedules import inputs
+from minipar.planner.layer_profile import profile
 
 TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2), ln2 (2), fc (2), mlp.proj (2)
 
@@ -78,7 +79,7 @@ def tp_comm(cfg, par, b: int, e: int, cpu) -> dict[str, float]:
 def collective_calls(cfg, est) -> dict[str, int]:
     """The collectives pipeline rank 0 (the first stage) calls in a step, by kind, as comm.count records them."""
     par, chunks, m = est.par, len(est.layers), est.shares[0]
-    places = tp_collectives(cfg, par, est.micro_batch, 4 if par.precision == "fp32" else 2)
+    places = tp_collectives(cfg, par, est.micro_batch, memory.element_bytes(par.precision))
     calls: dict[str, int] = {}
     for c in range(0, chunks, par.pp):
         for place, times in (("layer", est.layers[c]), ("emb", c == 0), ("head", c == chunks - 1)):
@@ -89,10 +90,10 @@ def collective_calls(cfg, est) -> dict[str, int]:
     if par.dp > 1 and par.zero in (1, 2):
         calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + 1, all_gather=calls.get("all_gather", 0) + 1)
     elif par.dp > 1 and par.zero == 0:  # one all-reduce a bucket (a tensor when naive)
-        mine = range(0, chunks, par.pp)
-        psi = sum(chunk_params(cfg, par.tp, est.layers[c], c == 0, c == chunks - 1) for c in mine)
+        psi = sum(memory.rank_units(cfg, par.tp, list(est.layers), par.pp, 0))
+        mine, per = range(0, chunks, par.pp), memory.layout_bytes(par.precision)
         tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
-        calls["all_reduce"] = calls.get("all_reduce", 0) + _dp_messages(par, psi, tensors)[0]
+        calls["all_reduce"] = calls.get("all_reduce", 0) + _dp_messages(par, psi, tensors, per)[0]
     return {k: v for k, v in calls.items() if v}
 
 
@@ -108,7 +109,6 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
     pipeline compute, each goes at speed(k * copies) (copies: the replicas and TP ranks doing the same).
     work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting) seconds);
     record, if given, gets per rank [(action, start, end)] (a `pipeline.Timeline`'s events)."""
-    from minipar.pipeline.schedules import inputs
     p = len(actions)
     if record is not None:
         record[:] = [[] for _ in range(p)]
@@ -164,22 +164,24 @@ def _tensors(layers: int, first: bool, last: bool) -> int:
     return TENSORS_PER_LAYER * layers + 2 * first + 4 * last
 
 
-def _dp_messages(par, psi: int, tensors: int) -> tuple[int, int]:
-    """(all-reduces, bytes a parameter) of ZeRO-0's gradient sync: mixed precision reduces the fp32 master
-    gradients one tensor at a time (parallelize.py), else the bucketed DataParallel (naive: per tensor)."""
+def _dp_messages(par, psi: int, tensors: int, per: dict) -> tuple[int, int]:
+    """(all-reduces, bytes a parameter) of ZeRO-0's gradient sync: mixed precision reduces the fp32
+    master gradients one tensor at a time (parallelize.py), else the bucketed DataParallel (naive:
+    per tensor); per: memory.layout_bytes of the precision."""
     if par.precision in ("bf16", "fp16") and par.reduce_fp32:
         return tensors, 4
-    g = memory.layout_bytes(par.precision)["grads"]
+    g = per["grads"]
     return (tensors if par.dp_mode == "naive" else math.ceil(g * psi / (par.bucket_mb * 2 ** 20))), g
 
 
-def dp_comm(par, psi: int, tensors: int, units: int, cpu) -> float:
-    """Seconds of the DP / ZeRO collectives of a rank holding psi parameters in `tensors` tensors."""
-    n, per = par.dp, memory.layout_bytes(par.precision)
+def dp_comm(par, psi: int, tensors: int, units: int, cpu, per: dict) -> float:
+    """Seconds of the DP / ZeRO collectives of a rank holding psi parameters in `tensors` tensors,
+    at `per` bytes a parameter (memory.layout_bytes)."""
+    n = par.dp
     if n == 1:
         return 0.0
     if par.zero == 0:
-        messages, g = _dp_messages(par, psi, tensors)  # after the backward, then back to back
+        messages, g = _dp_messages(par, psi, tensors, per)  # after the backward, then back to back
         return (messages - 1) * ring("all_reduce", 0, n, cpu, meet=False) + ring("all_reduce", g * psi, n, cpu)
     rs, ag = ring("reduce_scatter", per["grads"] * psi, n, cpu), ring("all_gather", per["params"] * psi, n, cpu)
     if par.zero in (1, 2):
@@ -187,17 +189,17 @@ def dp_comm(par, psi: int, tensors: int, units: int, cpu) -> float:
     return par.microbatches * (2 * ag + rs + (3 * units - 3) * ring("all_gather", 0, n, cpu, meet=False))
 
 
-def optimizer_time(par, psi: int, full: float, cpu) -> float:
+def optimizer_time(par, psi: int, full: float, cpu, per: dict) -> float:
     """Seconds of the optimizer step of a rank holding psi parameters, whose whole step (`profile`) takes
     `full` seconds: that, or with ZeRO its 1/dp share plus the flat copies of (g + p) psi bytes."""
     if par.zero == 0:
         return full
-    per = memory.layout_bytes(par.precision)
     return full / par.dp + (per["grads"] + per["params"]) * psi / cpu.copy_rate
 
 
-def _pipeline(cfg, est):
-    """What `replay_shared` replays for `est`: (profile, actions, chunks, work, wait, latency)."""
+def _pipeline(cfg, est, e: int):
+    """What `replay_shared` replays for `est`, e bytes an activation element: (profile, actions,
+    chunks, work, wait, latency)."""
     par, cpu, b = est.par, est.cluster.cpu, est.micro_batch
     if par.world != cpu.world:
         raise ValueError(f"this CPU calibration is for world={cpu.world} ranks (threads and time-sharing depend "
@@ -205,9 +207,8 @@ def _pipeline(cfg, est):
     if len(set(est.shares)) != 1:
         raise ValueError("the CPU model covers even DP shares only")
     mode = "plain" if par.pp == 1 else "split" if par.schedule == "zb-h1" else "pipe"
-    from minipar.planner.layer_profile import profile
     prof = profile(cfg, b, par.tp, par.sequence_parallel, par.recompute, par.precision, cpu.threads, mode)
-    e, p, chunks, m = 4 if par.precision == "fp32" else 2, par.pp, len(est.layers), est.shares[0]
+    p, chunks, m = par.pp, len(est.layers), est.shares[0]
     tp = tp_comm(cfg, par, b, e, cpu)
     work, wait = {"F": [], "B": [], "W": []}, {"F": [], "B": [], "W": []}
     for c, n in enumerate(est.layers):
@@ -221,42 +222,36 @@ def _pipeline(cfg, est):
     x = b * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
     sync, step, bandwidth = cpu.link(2)
     latency = sync + step + x / bandwidth if p > 1 else 0.0
-    actions = memory.schedule_actions(par.schedule if p > 1 else "1f1b", p, m, par.virtual_stages)
+    actions = pipeline.cached_schedule(par.schedule if p > 1 else "1f1b", p, m, par.virtual_stages)
     return prof, actions, chunks, work, wait, latency
 
 
-def timeline(cfg, est) -> pipeline.Timeline:
-    """The pipeline of `est`'s step as `step_time` replays it (seconds; the DP and optimizer time after it
-    left out), for `viz_pipeline.gantt` beside a measured one."""
-    _, actions, chunks, work, wait, latency = _pipeline(cfg, est)
-    events = []
-    replay_shared(actions, chunks, work, wait, latency, est.par.dp * est.par.tp, est.cluster.cpu, events)
-    return pipeline.Timeline(events)
-
-
-def step_time(cfg, est) -> tuple[float, dict]:
-    """(seconds, breakdown by planner.TERMS) of `est`'s layout on its Cluster's CPU (module docstring)."""
+def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
+    """(seconds, breakdown by planner.TERMS, the replayed pipeline) of `est`'s layout on its
+    Cluster's CPU (module docstring). The Timeline is the schedule as replayed with the cores
+    shared, in seconds, the DP and optimizer time after it left out (what `viz_pipeline.gantt` draws
+    beside a measured one)."""
     par, cpu, p = est.par, est.cluster.cpu, est.par.pp
-    prof, actions, chunks, work, wait, latency = _pipeline(cfg, est)
-    span, spent = replay_shared(actions, chunks, work, wait, latency, par.dp * par.tp, cpu)
+    per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
+    prof, actions, chunks, work, wait, latency = _pipeline(cfg, est, e)
+    events = []
+    span, spent = replay_shared(actions, chunks, work, wait, latency, par.dp * par.tp, cpu, events)
     busiest = max(range(p), key=lambda r: sum(spent[r]))
     dp = opt = sp = 0.0
     for r in range(p):
-        mine = range(r, chunks, p)
-        psi = sum(chunk_params(cfg, par.tp, est.layers[c], c == 0, c == chunks - 1) for c in mine)
+        mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
         tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
-        units = sum(len(chunk_units(cfg, par.tp, est.layers[c], c == 0, c == chunks - 1)) for c in mine)
-        dp = max(dp, dp_comm(par, psi, tensors, units, cpu))
+        dp = max(dp, dp_comm(par, sum(units), tensors, len(units), cpu, per))
         full = sum(est.layers[c] * prof.layer_opt + ((c == 0) + (c == chunks - 1)) / 2 * prof.ends_opt for c in mine)
-        opt = max(opt, optimizer_time(par, psi, full, cpu) / speed(cpu, par.world))
+        opt = max(opt, optimizer_time(par, sum(units), full, cpu, per) / speed(cpu, par.world))
         if par.sequence_parallel:  # the shard-used parameters' gradients, summed over the TP group
             partial = sum(6 * cfg.d_model * est.layers[c] + cfg.seq_len * cfg.d_model * (c == 0) +
                           2 * cfg.d_model * (c == chunks - 1) for c in mine)
-            sp = max(sp, ring("all_reduce", partial * memory.layout_bytes(par.precision)["grads"], par.tp, cpu))
+            sp = max(sp, ring("all_reduce", partial * per["grads"], par.tp, cpu))
     loss = ring("all_reduce", 8, par.dp, cpu) + ring("all_reduce", 8, p, cpu)
     computing, waiting = spent[busiest]
     breakdown = {"compute": computing, "recompute": 0.0, "memory_bound": 0.0, "tp_comm": waiting + sp,
                  "bubble": 0.0, "pp_p2p": 0.0, "dp_comm": dp + loss, "optimizer": opt}
     idle = max(0.0, span - computing - waiting)
     breakdown["bubble" if p > 1 else "compute"] += idle  # pp = 1: the time-sharing slowdown is compute
-    return sum(breakdown.values()), breakdown
+    return sum(breakdown.values()), breakdown, pipeline.Timeline(events)

@@ -1,4 +1,4 @@
-"""The cost model: the cluster as a value, and what one GPU spends on its share of a training step.
+"""The GPU cost model: what one GPU spends on its share of a training step.
 
 `predict.py` composes these pieces into a step time and a memory footprint. Per micro-batch of b
 sequences of s tokens, on one GPU of a stage holding its layers split t ways (t = tp), e bytes a
@@ -29,9 +29,7 @@ sequences of s tokens, on one GPU of a stage holding its layers split t ways (t 
   optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM speed
                     (read the gradient, read and write the weights and the optimizer state)
 
-Memory of one GPU of a pipeline rank (`stage_memory`): its chunks' parameters under ZeRO as memory.predict
-counts them (padding included), and the most activation bytes its schedule keeps alive at once
-(`memory.pipeline_activations`, the count the measured runs equal to the byte).
+Memory is not here: it is the same on GPUs and CPUs, memory.py's count (predict.stage_memory).
 
 Links: ranks on one node talk over NVLink (intra_*), else over the node's NICs (inter_*, per GPU:
 one NIC each). The grid is minipar's (pp, dp, tp), tp innermost (mesh.py): a TP group spans nodes
@@ -52,7 +50,7 @@ def all_reduce(nbytes: float, n: int, link: Link) -> float:
     return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
-def gather(nbytes: float, n: int, link: Link) -> float:
+def gather_or_scatter(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather or reduce-scatter whose full tensor is `nbytes`: (n-1)/n of it, n-1 steps."""
     return 0.0 if n == 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
 
@@ -119,22 +117,6 @@ def _add(x: dict, y: dict) -> dict:
     return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in {**x, **y}}
 
 
-def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
-    """Parameters one TP rank holds of a chunk, as ZeRO-3 units (memory.units when t = 1, whole model):
-    tok_emb V h/t, pos_emb s h | per block (12 h^2 + 6 h)/t + 6 h | ln_f 2 h, head (V h + V)/t."""
-    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    units = [V * h // t, s * h] if first else []
-    units += [(12 * h * h + 6 * h) // t + 6 * h] * layers
-    return units + ([2 * h, (V * h + V) // t] if last else [])
-
-
-def chunk_params(cfg, t: int, layers: int, first: bool, last: bool) -> int:
-    """Parameters one TP rank holds of a chunk (memory.tp_params when the chunk is the whole model)."""
-    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    split = layers * (12 * h * h + 6 * h) + (V * h if first else 0) + (V * h + V if last else 0)
-    return split // t + layers * 6 * h + (s * h if first else 0) + (2 * h if last else 0)
-
-
 def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: float, units: int) -> float:
     """Exposed seconds of the DP/ZeRO collectives of a stage holding `psi` parameters a GPU; `window` is
     the backward of its last micro-batch (what buckets overlap), `compute_mb` a micro-batch's compute."""
@@ -145,7 +127,8 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
         g = 4 if par.precision == "fp32" or (par.precision in ("bf16", "fp16") and par.reduce_fp32) else per["grads"]
         total = all_reduce(g * psi, n, link)
         return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
-    rs, ag = gather(per["grads"] * psi, n, link), gather(per["params"] * psi, n, link)
+    rs = gather_or_scatter(per["grads"] * psi, n, link)
+    ag = gather_or_scatter(per["params"] * psi, n, link)
     if par.zero in (1, 2):
         return _overlap(rs, per["grads"] * psi, par.bucket_mb, window) + ag
     per_mb = 2 * ag + rs
@@ -162,54 +145,16 @@ def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
     return params_updated * (per["grads"] + 2 * (per["params"] + per["optimizer"])) / hbm
 
 
-def model_states(par, sizes: list[int], per: dict) -> dict[str, float]:
-    """Model states and comm buffers of one GPU holding `sizes` parameters (ZeRO-3 units), as memory.predict."""
-    n, stage, psi = par.dp, par.zero, sum(sizes)
-    shards = [(-(-x // n), min(x, -(-x // n))) for x in (sizes if stage == 3 else [psi])]
-    shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
-    if stage == 0:
-        own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32
-        comm = per["grads"] * psi if n > 1 and par.dp_mode == "bucketed" and own_grads else 0
-    elif stage == 1:
-        comm = per["grads"] * shard
-    elif stage == 2:
-        comm = 0
-    else:
-        full = [n * s for s, _ in shards]
-        comm = per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)
-    return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
-            "grads": per["grads"] * (psi if stage < 2 else shard),
-            "optimizer": per["optimizer"] * (psi if stage == 0 else owned), "comm": comm}
-
-
-def stage_memory(cfg, par, b: int, m: int, layers: list[int], materialized: bool) -> list[dict]:
-    """{category: bytes} per pipeline rank (module docstring)."""
-    p, chunks = par.pp, len(layers)
-    e, per = 4 if par.precision == "fp32" else 2, memory.layout_bytes(par.precision)
-    # Korthikanti's attention matrix, 5 a s^2 b / t bytes a layer, if materialized and kept
-    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if materialized and par.recompute == "none" else 0
-    peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), m, extra)
-    out = []
-    for r in range(p):
-        mine = range(r, chunks, p)
-        sizes = [u for c in mine for u in chunk_units(cfg, par.tp, layers[c], c == 0, c == chunks - 1)]
-        if par.zero < 3:
-            sizes = [sum(chunk_params(cfg, par.tp, layers[c], c == 0, c == chunks - 1) for c in mine)]
-        states = model_states(par, sizes, per)
-        out.append({"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-                    "activations": peaks[r], "comm": states["comm"]})
-    return out
-
-
-def calibrate(cfg, layer_step: float, micro_batch: int, tp: int, cluster: Cluster, sequence_parallel: bool = True,
-              materialized: bool = False, precision: str = "bf16") -> float:
+def fit_efficiency(cfg, layer_step: float, micro_batch: int, tp: int, cluster: Cluster,
+                   sequence_parallel: bool = True, materialized: bool = False,
+                   precision: str = "bf16") -> float:
     """The efficiency that makes one layer's forward + backward (no recomputation) take `layer_step`
     seconds: the matmul FLOPs over the time left once this model's TP and memory-bound time are taken off.
 
     Korthikanti Table 4 (22B: a 64, h 6144, s 2048; t = 8, b = 4, SP, Megatron's materialised attention,
     7.7 + 11.9 ms on A100s) gives the A100's 0.69."""
     ranks = range(tp)
-    w = Work(micro_batch, tp, sequence_parallel, "none", 4 if precision == "fp32" else 2, 1.0,
+    w = Work(micro_batch, tp, sequence_parallel, "none", memory.element_bytes(precision), 1.0,
              cluster.memory_bandwidth, cluster.link(ranks), False, materialized)
     cost = layer_cost(cfg, w)
     flops = cost["F"]["compute"] + cost["B"]["compute"]  # FLOPs, since the rate was 1

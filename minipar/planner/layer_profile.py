@@ -22,6 +22,15 @@ from typing import NamedTuple
 
 import torch
 
+from minipar import comm, memory
+from minipar.model import GPT, cross_entropy
+from minipar.parallelize import make_optimizer
+from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank
+from minipar.pipeline.schedules import Action
+from minipar.precision import MixedPrecision
+from minipar.recompute import apply_recompute
+from minipar.tensor_parallel import TPGroup, apply_tp, vocab_parallel_cross_entropy
+
 
 class Profile(NamedTuple):
     """Seconds one rank computes per micro-batch (module docstring), collectives left out: per layer, the
@@ -43,8 +52,6 @@ class Profile(NamedTuple):
 
 def _local_tp(t: int, sp: bool):
     """A TPGroup of size t whose collectives do no communication (rank 0's shapes, local work only)."""
-    from minipar import comm
-    from minipar.tensor_parallel import TPGroup
     ops = comm.Collectives(all_reduce=lambda x, group=None: x,
                            reduce_scatter=lambda x, group=None: torch.tensor_split(x, t)[0].clone(),
                            all_gather=lambda x, group=None: torch.cat([x] * t))
@@ -59,10 +66,6 @@ def _local_tp(t: int, sp: bool):
 
 def _model(cfg, t: int, sp: bool, recompute: str, precision: str):
     """(model, loss_fn, MixedPrecision) of one TP rank, collectives local (`_local_tp`), as training makes them."""
-    from minipar.model import GPT, cross_entropy
-    from minipar.precision import MixedPrecision
-    from minipar.recompute import apply_recompute
-    from minipar.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
     torch.manual_seed(0)
     model, loss_fn = GPT(cfg), cross_entropy
     if t > 1:
@@ -85,10 +88,6 @@ def micro_step(cfg, b: int, t: int, sp: bool, recompute: str, precision: str, mo
     """A micro-step of the whole model of cfg as training runs it, returning the seconds of its F, B, W and
     optimizer step (O): "plain" as train's loop (pp = 1), "pipe" / "split" through a one-rank
     PipelineExecutor (B whole, or B and W)."""
-    from minipar import memory
-    from minipar.parallelize import make_optimizer
-    from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank
-    from minipar.pipeline.schedules import Action
     model, loss_fn, mp = _model(cfg, t, sp, recompute, precision)
     meter, x = memory.ActivationMeter(), torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
     optimizer = make_optimizer(mp.optimized, 1e-3, 0.0)
@@ -124,7 +123,6 @@ def micro_step(cfg, b: int, t: int, sp: bool, recompute: str, precision: str, mo
 def _ends(cfg, b: int, t: int, sp: bool, precision: str, reps: int) -> dict[str, float]:
     """Forward and backward seconds of the embeddings alone, and of ln_f + head + loss alone:
     {"emb_F", "emb_B", "head_F", "head_B"}."""
-    from minipar import memory
     model, loss_fn, mp = _model(cfg.replace(n_layer=1), t, sp, "none", precision)
     meter, x, positions = memory.ActivationMeter(), torch.randint(0, cfg.vocab_size, (b, cfg.seq_len)), \
         torch.arange(cfg.seq_len)

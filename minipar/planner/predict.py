@@ -16,10 +16,18 @@
                   schedule's own actions: an F adds its chunk, the chunk's last backward op frees it),
                   + the token ids on the first chunk, the head and loss on the last
                 comm: DP buckets or ZeRO's gathered units, as memory.predict counts them
+                (`stage_memory`: memory.rank_states of each rank's memory.rank_units, which
+                memory.predict adds up too, and memory.pipeline_activations over the schedule)
+    timeline  the slowest replica's pipeline as simulated, in seconds (`Estimate.timeline`):
+                what the lessons draw, never recomputed
 
-`global_batch` and `micro_batch` count sequences: each pipeline runs m = global_batch / (dp * micro_batch)
-micro-batches (par.microbatches is replaced by it). A layout may use fewer GPUs than the cluster has (the
-first par.world ranks); `plan` always uses them all.
+`global_batch` and `micro_batch` count sequences: each pipeline runs m = global_batch / (dp *
+micro_batch) micro-batches (par.microbatches is replaced by it). A layout may use fewer GPUs than
+the cluster has (the first par.world ranks); `plan` always uses them all. `estimate` is
+`split_layout` (validate, split layers and micro-batches, size the memory) then `time_layout` (the
+step time); `plan` runs the second only on layouts that fit. `time_layout` is the one place that
+chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
+gpu_time.py.
 
 Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one efficiency, 0.69, from their
 Table 4; tests/test_planner.py), seconds a step, predicted / published:
@@ -42,17 +50,10 @@ from dataclasses import dataclass, field
 
 from minipar import memory, pipeline
 from minipar.config import ParallelConfig
+from minipar.mesh import grid_ranks
+from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, GiB
-from minipar.planner.gpu_time import (
-    Work,
-    chunk_cost,
-    chunk_params,
-    chunk_units,
-    dp_time,
-    optimizer_time,
-    p2p,
-    stage_memory,
-)
+from minipar.planner.gpu_time import Work, chunk_cost, dp_time, optimizer_time, p2p
 
 TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm", "optimizer")
 
@@ -72,6 +73,9 @@ class Estimate:
     step_time: float = math.nan
     breakdown: dict = field(default_factory=dict)
     model_flops: float = 0.0
+    # the slowest replica's pipeline as timed, in seconds (the DP and optimizer time after it left
+    # out); on a CPU cluster, cpu_time's replay with the cores shared
+    timeline: pipeline.Timeline | None = None
 
     @property
     def total_memory(self) -> float:
@@ -99,14 +103,6 @@ class Estimate:
     def __repr__(self):
         return (f"Estimate({self.label}: {self.step_time:.4g} s, {self.tflops_per_gpu:.0f} TFLOP/s, "
                 f"MFU {self.mfu:.1%}, {self.total_memory / GiB:.1f} GiB)")
-
-
-def _ranks(par, stage=None, replica=None) -> list[int]:
-    """Global ranks of a stage's block (all replicas), a replica (all stages), or one (stage, replica)
-    TP group, in minipar's (pp, dp, tp) grid."""
-    stages = range(par.pp) if stage is None else [stage]
-    replicas = range(par.dp) if replica is None else [replica]
-    return [(i * par.dp + j) * par.tp + k for i in stages for j in replicas for k in range(par.tp)]
 
 
 def _proportional(total: int, weights: list[float], unit: int = 1) -> list[int]:
@@ -137,19 +133,41 @@ def _validate(cfg, par, cluster, global_batch: int, micro_batch: int) -> Paralle
     return par
 
 
-def _layout(cfg, par, cluster, global_batch, micro_batch, attention):
-    """Validate, split layers and micro-batches, and size the memory: everything but the time."""
+def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: dict, e: int,
+                 actions: tuple) -> list[dict]:
+    """{category: bytes} of a GPU of each pipeline rank: memory.rank_states of the units it holds
+    (memory.rank_units; DP rank 0, the fullest) and the activation peak of its schedule `actions`
+    (memory.pipeline_activations), at `per` bytes a parameter and `e` an activation element."""
+    # Korthikanti's attention matrix, 5 a s^2 b / t bytes a layer, if materialized and kept
+    kept = materialized and par.recompute == "none"
+    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0
+    peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
+    units = [memory.rank_units(cfg, par.tp, layers, par.pp, r) for r in range(par.pp)]
+    states = [memory.rank_states(par, units[r], per) for r in range(par.pp)]
+    return [memory.by_category(states[r], peaks[r]) for r in range(par.pp)]
+
+
+def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
+                 attention: str = "flash") -> Estimate:
+    """Validate, split layers and micro-batches, and size the memory: an Estimate with everything
+    but the time (`time_layout` adds it)."""
     if attention not in ("flash", "materialized"):
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
-    p, chunks = par.pp, par.pp * par.virtual_stages
-    speed = [cluster.rate(_ranks(par, stage=r), par.precision) for r in range(p)]
+    p, chunks, dp, tp = par.pp, par.pp * par.virtual_stages, par.dp, par.tp
+    stage, replica = ([grid_ranks(dp, tp, p, pp_rank=r) for r in range(p)],
+                      [grid_ranks(dp, tp, p, dp_rank=j) for j in range(dp)])
+    speed = [cluster.rate(ranks, par.precision) for ranks in stage]
     layers = _proportional(cfg.n_layer, [speed[c % p] for c in range(chunks)])
     unit = p if par.schedule == "interleaved-1f1b" else 1
-    shares = _proportional(par.dp * par.microbatches, [cluster.rate(_ranks(par, replica=j), par.precision)
-                                                       for j in range(par.dp)], unit)
-    capacity = [min(cluster.device(x).memory_per_gpu for x in _ranks(par, stage=r)) for r in range(p)]
-    mem = stage_memory(cfg, par, micro_batch, max(shares), layers, attention == "materialized")
+    rates = [cluster.rate(ranks, par.precision) for ranks in replica]
+    shares = _proportional(dp * par.microbatches, rates, unit)
+    capacity = [min(cluster.device(x).memory_per_gpu for x in ranks) for ranks in stage]
+    # computed once for every sizing below: bytes a parameter, an activation, the schedule's actions
+    sizing = (attention == "materialized", memory.layout_bytes(par.precision),
+              memory.element_bytes(par.precision),
+              pipeline.cached_schedule(par.schedule, p, max(shares), par.virtual_stages))
+    mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
     for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers out of full stages
         free = [capacity[r] - sum(mem[r].values()) for r in range(p)]
         worst, best = free.index(min(free)), free.index(max(free))
@@ -158,76 +176,93 @@ def _layout(cfg, par, cluster, global_batch, micro_batch, attention):
             break
         layers[donor] -= 1
         layers[min(range(best, chunks, p), key=lambda c: layers[c])] += 1
-        mem = stage_memory(cfg, par, micro_batch, max(shares), layers, attention == "materialized")
+        mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
     fullest = max(range(p), key=lambda r: sum(mem[r].values()) / capacity[r])
     return Estimate(cfg, par, cluster, global_batch, micro_batch, mem[fullest], capacity[fullest],
-                    tuple(layers), tuple(shares), mem, model_flops=global_batch * cfg.seq_len * cfg.flops_per_token)
+                    tuple(layers), tuple(shares), mem,
+                    model_flops=global_batch * cfg.seq_len * cfg.flops_per_token)
 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, latency: float):
-    """(makespan, busy per rank) of a schedule; costs are normalised by the caller so that layouts with
-    the same proportions share one simulation."""
+    """The Timeline of a schedule; costs are normalised by the caller so that layouts with the same
+    proportions share one simulation (cached: the caller must not modify it)."""
     cost = {"F": list(F), "B": list(B), "W": list(W)}
-    tl = pipeline.simulate(memory.schedule_actions(name, p, m, v), p, m, v, cost=cost, latency=latency)
-    return tl.makespan, tl.busy
+    actions = pipeline.cached_schedule(name, p, m, v)
+    return pipeline.simulate(actions, p, m, v, cost=cost, latency=latency)
 
 
 def _pipeline_time(par, costs: list[dict], m: int, latency: float):
-    """(makespan with messages, makespan without, busiest rank) of one replica's pipeline."""
+    """(makespan with messages, makespan without, busiest rank, the Timeline with messages in
+    seconds) of one replica's pipeline."""
     per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
     u = max(per_op["F"]) or 1.0
     norm = {op: tuple(round(x / u, 9) for x in xs) for op, xs in per_op.items()}
     args = (par.schedule, par.pp, m, par.virtual_stages, norm["F"], norm["B"], norm["W"])
-    free, busy = _simulate(*args, 0.0)
-    with_msgs = _simulate(*args, round(latency / u, 9))[0] if par.pp > 1 else free
-    return u * with_msgs, u * free, max(range(par.pp), key=lambda r: busy[r])
+    free = _simulate(*args, 0.0)
+    with_msgs = _simulate(*args, round(latency / u, 9)) if par.pp > 1 else free
+    seconds = pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank]
+                                 for rank in with_msgs.events])
+    busy = free.busy
+    busiest = max(range(par.pp), key=lambda r: busy[r])
+    return u * with_msgs.makespan, u * free.makespan, busiest, seconds
 
 
-def _replica_time(cfg, est: Estimate, j: int, attention: str) -> tuple[float, dict, list]:
-    """Seconds of DP replica j's pipeline, its breakdown, and each chunk's per-micro-batch costs."""
+def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
+    """(seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, its
+    Timeline); `e` bytes an activation element."""
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
-    p, chunks, e = par.pp, len(est.layers), 4 if par.precision == "fp32" else 2
+    p, chunks = par.pp, len(est.layers)
     costs = []
     for c, n in enumerate(est.layers):
-        ranks = _ranks(par, stage=c % p, replica=j)
+        ranks = grid_ranks(par.dp, par.tp, p, pp_rank=c % p, dp_rank=j)
         w = Work(b, par.tp, par.sequence_parallel, par.recompute, e, cluster.rate(ranks, par.precision),
                  min(cluster.device(x).memory_bandwidth for x in ranks), cluster.link(ranks),
                  par.schedule == "zb-h1", attention == "materialized")
         costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
     message = b * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
-    latency = p2p(message, cluster.link(_ranks(par, replica=j)[::par.tp]))
-    with_msgs, free, r = _pipeline_time(par, costs, m, latency)
+    latency = p2p(message, cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp]))
+    with_msgs, free, r, timeline = _pipeline_time(par, costs, m, latency)
     mine = [costs[c] for c in range(r, chunks, p)]
     terms = {k: m * sum(c[op].get(k, 0.0) for c in mine for op in c) for k in TERMS[:4]}
     terms.update(bubble=max(0.0, free - sum(terms.values())), pp_p2p=max(0.0, with_msgs - free))
-    return with_msgs, terms, costs
+    return with_msgs, terms, costs, timeline
 
 
-def _step(cfg, est: Estimate, attention: str) -> Estimate:
+def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, pipeline.Timeline]:
+    """(seconds, breakdown by TERMS, the slowest replica's Timeline) of `est` on its GPUs
+    (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
-    if cluster.cpu is not None:  # local CPU ranks: the measured model of cpu_time.py
-        from minipar.planner import cpu_time
-        est.step_time, est.breakdown = cpu_time.step_time(cfg, est)
-        return est
+    per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
     replicas = {}
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
-        key = (m, tuple(cluster.device(x).name for x in _ranks(par, replica=j)))
-        replicas.setdefault(key, _replica_time(cfg, est, j, attention))
-    span, terms, costs = max(replicas.values(), key=lambda x: x[0])
-    per, chunks = memory.layout_bytes(par.precision), len(est.layers)
-    dp = opt = 0.0
+        key = (m, tuple(cluster.device(x).name for x in grid_ranks(par.dp, par.tp, p, dp_rank=j)))
+        if key not in replicas:
+            replicas[key] = _replica_time(cfg, est, j, attention, e)
+    span, terms, costs, timeline = max(replicas.values(), key=lambda x: x[0])
+    chunks, dp, opt = len(est.layers), 0.0, 0.0
     for r in range(p):
-        mine = [c for c in range(r, chunks, p)]
-        psi = sum(chunk_params(cfg, par.tp, est.layers[c], c == 0, c == chunks - 1) for c in mine)
+        mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
         backward = sum(v for c in mine for op in ("B", "W") for v in costs[c][op].values())
         compute = backward + sum(costs[c]["F"].get("compute", 0.0) for c in mine)
-        units = sum(len(chunk_units(cfg, par.tp, est.layers[c], c == 0, c == chunks - 1)) for c in mine)
-        dp = max(dp, dp_time(par, psi, per, cluster.link(_ranks(par, stage=r)[::par.tp]), backward, compute, units))
-        hbm = min(cluster.device(x).memory_bandwidth for x in _ranks(par, stage=r))
-        opt = max(opt, optimizer_time(psi / (par.dp if par.zero else 1), per, hbm))
-    est.breakdown = {**terms, "dp_comm": dp, "optimizer": opt}
-    est.step_time = span + dp + opt
+        stage = grid_ranks(par.dp, par.tp, p, pp_rank=r)
+        link = cluster.link(stage[::par.tp])
+        dp = max(dp, dp_time(par, sum(units), per, link, backward, compute, len(units)))
+        hbm = min(cluster.device(x).memory_bandwidth for x in stage)
+        opt = max(opt, optimizer_time(sum(units) / (par.dp if par.zero else 1), per, hbm))
+    return span + dp + opt, {**terms, "dp_comm": dp, "optimizer": opt}, timeline
+
+
+def time_layout(cfg, est: Estimate, attention: str = "flash") -> Estimate:
+    """`est` (from `split_layout`) with its step time, breakdown and timeline filled in.
+
+    The one place the time model is chosen: a Cluster with a CPU calibration (its `cpu` field, set
+    by calibrate.this_machine and cluster_of) is timed by cpu_time.py, from the model's own layer
+    measured on this machine; any other Cluster by the GPU model, gpu_time.py (`gpu_step`)."""
+    if est.cluster.cpu is not None:
+        est.step_time, est.breakdown, est.timeline = cpu_time.step_time(cfg, est)
+    else:
+        est.step_time, est.breakdown, est.timeline = gpu_step(cfg, est, attention)
     return est
 
 
@@ -237,4 +272,5 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the activations
     then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is recomputed)."""
-    return _step(cfg, _layout(cfg, par, cluster, global_batch, micro_batch, attention), attention)
+    est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention)
+    return time_layout(cfg, est, attention)

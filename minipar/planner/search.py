@@ -6,7 +6,7 @@ import dataclasses
 
 from minipar.config import SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB
-from minipar.planner.predict import TERMS, Estimate, _layout, _step
+from minipar.planner.predict import TERMS, Estimate, split_layout, time_layout
 
 
 class NoFeasiblePlan(ValueError):
@@ -58,11 +58,12 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages, zero, precision):
         for rc in recompute:
             try:
-                est = _layout(cfg, par.replace(recompute=rc), cluster, global_batch, b, attention)
+                est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b,
+                                   attention)
             except ValueError:
                 break
             if est.fits:
-                fitting.append(_step(cfg, est, attention))
+                fitting.append(time_layout(cfg, est, attention))
                 break
             if smallest is None or est.total_memory / est.capacity < smallest.total_memory / smallest.capacity:
                 smallest = est
@@ -74,7 +75,7 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
 def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
     for par, b in candidates(cfg, cluster, global_batch, (1,), precision=precision):
         try:
-            est = _layout(cfg, par.replace(recompute="full"), cluster, global_batch, b, "flash")
+            est = split_layout(cfg, par.replace(recompute="full"), cluster, global_batch, b)
         except ValueError:
             continue
         if est.fits:
