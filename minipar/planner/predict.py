@@ -73,9 +73,18 @@ class Estimate:
     step_time: float = math.nan
     breakdown: dict = field(default_factory=dict)
     model_flops: float = 0.0
-    # the slowest replica's pipeline as timed, in seconds (the DP and optimizer time after it left
-    # out); on a CPU cluster, cpu_time's replay with the cores shared
-    timeline: pipeline.Timeline | None = None
+    # the slowest replica's pipeline as timed (the DP and optimizer time after it left out), kept as
+    # simulated: a Timeline in units of `time_unit` seconds, shared with every layout of the same
+    # proportions (`_simulate`); on a CPU cluster cpu_time's replay with the cores shared, in seconds
+    simulated: pipeline.Timeline | None = field(default=None, repr=False)
+    time_unit: float = 1.0
+
+    @functools.cached_property
+    def timeline(self) -> pipeline.Timeline:
+        """The simulated pipeline in seconds: what the lessons draw, never recomputed."""
+        u = self.time_unit
+        return pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank]
+                                  for rank in self.simulated.events])
 
     @property
     def total_memory(self) -> float:
@@ -193,24 +202,22 @@ def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, l
 
 
 def _pipeline_time(par, costs: list[dict], m: int, latency: float):
-    """(makespan with messages, makespan without, busiest rank, the Timeline with messages in
-    seconds) of one replica's pipeline."""
+    """(makespan with messages, makespan without, busiest rank, (the Timeline with messages, its
+    time unit in seconds)) of one replica's pipeline."""
     per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
     u = max(per_op["F"]) or 1.0
     norm = {op: tuple(round(x / u, 9) for x in xs) for op, xs in per_op.items()}
     args = (par.schedule, par.pp, m, par.virtual_stages, norm["F"], norm["B"], norm["W"])
     free = _simulate(*args, 0.0)
     with_msgs = _simulate(*args, round(latency / u, 9)) if par.pp > 1 else free
-    seconds = pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank]
-                                 for rank in with_msgs.events])
     busy = free.busy
     busiest = max(range(par.pp), key=lambda r: busy[r])
-    return u * with_msgs.makespan, u * free.makespan, busiest, seconds
+    return u * with_msgs.makespan, u * free.makespan, busiest, (with_msgs, u)
 
 
 def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
     """(seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, its
-    Timeline); `e` bytes an activation element."""
+    Timeline and its time unit); `e` bytes an activation element."""
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
     p, chunks = par.pp, len(est.layers)
     costs = []
@@ -229,8 +236,8 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
     return with_msgs, terms, costs, timeline
 
 
-def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, pipeline.Timeline]:
-    """(seconds, breakdown by TERMS, the slowest replica's Timeline) of `est` on its GPUs
+def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, tuple]:
+    """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est` on its GPUs
     (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
     per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
@@ -260,9 +267,9 @@ def time_layout(cfg, est: Estimate, attention: str = "flash") -> Estimate:
     by calibrate.this_machine and cluster_of) is timed by cpu_time.py, from the model's own layer
     measured on this machine; any other Cluster by the GPU model, gpu_time.py (`gpu_step`)."""
     if est.cluster.cpu is not None:
-        est.step_time, est.breakdown, est.timeline = cpu_time.step_time(cfg, est)
+        est.step_time, est.breakdown, est.simulated = cpu_time.step_time(cfg, est)
     else:
-        est.step_time, est.breakdown, est.timeline = gpu_step(cfg, est, attention)
+        est.step_time, est.breakdown, (est.simulated, est.time_unit) = gpu_step(cfg, est, attention)
     return est
 
 
