@@ -3,7 +3,7 @@
     python bench/gpu_check.py            # on a machine with one CUDA GPU (an H200 in the issue)
 
 For each model: tokens/s, MFU against 989 TFLOP/s (the H100/H200 dense bf16 peak; model FLOPs, no
-recomputation counted: REFERENCES.md), and peak memory: torch.cuda.max_memory_allocated beside
+recomputation counted: docs/references.md), and peak memory: torch.cuda.max_memory_allocated beside
 minipar's counted categories and memory.predict. It runs `minipar.train` exactly as a user would:
 mixed precision with fp32 masters, fused SDPA attention, CUDA-event step times. Prints a Markdown
 table for the README. Nothing here runs without a GPU.

@@ -1,6 +1,6 @@
 """What the device can do: its peak FLOP/s, the denominator of MFU.
 
-GPUs: the vendor's dense peak for the dtype (REFERENCES.md). CPUs publish no useful peak, so we
+GPUs: the vendor's dense peak for the dtype (docs/references.md, "Accelerators and links"). CPUs publish no useful peak, so we
 measure one, once per process, with a square matmul (the best case for a CPU, as for a GPU).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cost model and planner against published figures (REFERENCES.md), and the planner's rules.
+"""The cost model and planner against published figures (docs/references.md), and the planner's rules.
 
 No processes: everything here is arithmetic and the pipeline simulator.
 """
