@@ -59,6 +59,14 @@ def pick_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank in a torchrun job (torchrun sets RANK and WORLD_SIZE), None outside
+    one."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0, on_line=None,
            **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` fresh ranks; return fn's results, by rank.
@@ -70,7 +78,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if torchrun_rank() is not None:
         return _join_torchrun(fn, world_size, args, kwargs, backend, timeout)
     if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
         raise ValueError(f"fn {fn.__qualname__!r} is defined in a notebook or REPL; worker processes can "
