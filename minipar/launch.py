@@ -128,6 +128,7 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
     """
     deadline = time.monotonic() + timeout
     done, failed = {}, {}  # rank -> result; rank -> (wall time of the failure, what happened)
+    first_failure = None  # when the first failure arrived (monotonic seconds)
     pending = dict(results)
     while len(done) < len(procs):
         left = deadline - time.monotonic()
@@ -154,7 +155,7 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
             if status == "ok":
                 done[rank] = payload
                 continue
-            first_failure = time.monotonic() if not failed else first_failure
+            first_failure = first_failure if failed else time.monotonic()
             failed[rank] = (when, f"{'raised' if status == 'error' else 'died'}:\n{payload}")
     _drain(outputs)
     return [done[r] for r in range(len(procs))]
