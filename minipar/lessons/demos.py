@@ -147,7 +147,9 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
     can stall a rank for a scheduler tick (4 ms) in any repetition. Returns {"minipar": [...],
     "<backend>": [...]}, one entry per size.
     """
-    impls = {"minipar": comm.all_reduce, dist.get_backend(): dist.all_reduce}
+    scratch = comm.Scratch()  # the ring's receive space, kept between calls as training keeps it
+    ring = lambda x: comm.all_reduce(x, scratch=scratch)  # noqa: E731
+    impls = {"minipar": ring, dist.get_backend(): dist.all_reduce}
     times = {name: [] for name in impls}
     for size in sizes:
         x = torch.ones(size // 4, device=_device())
