@@ -1,4 +1,5 @@
-"""minipar's DataParallel against torch's DistributedDataParallel: training step time, fp32, gloo.
+"""minipar's DataParallelNaive and DataParallelBucket against torch's DistributedDataParallel:
+training step time, fp32, gloo.
 
 Every variant of `minipar.lessons.demos.DP_VARIANTS` trains the same model (same seed) on the same batch in the
 same worker processes, with the same bucket size (DDP's bucket_cap_mb = minipar's bucket_mb):
@@ -8,8 +9,9 @@ runs one step of each, starting with a different one each time, after warm-up st
 its buckets after its first step). A step is forward, backward, gradient sync and AdamW, from a
 barrier; its time is the slowest rank's. Times are medians over every repetition of every launch;
 the ratio is the median of variant/DDP over repetitions run back to back, "per launch" its range
-launch by launch. "sync" is the median time a rank spends in DataParallel.finish(): the
-communication that backward did not hide. "over local" is the step time minus the local step's.
+launch by launch. "sync" is the median time a rank spends in finish() (DataParallelNaive's or
+DataParallelBucket's): the communication that backward did not hide. "over local" is the step time
+minus the local step's.
 "grads = DDP" compares each variant's first averaged gradients with DDP's (relative norm).
 
 Weak scaling: tokens/s of the whole job against dp at a fixed batch per rank, each rank with the same
@@ -74,7 +76,8 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
              f"of fp32 gradients; {s['batch']} x {cfg.seq_len} tokens per rank; buckets of "
              f"{s['bucket_mb']:g} MiB.")
     (out_dir / "ddp.md").write_text(
-        f"# data parallel: minipar DataParallel vs torch DDP (gloo), fp32\n\n{__doc__.strip()}\n\n{setup}\n\n"
+        f"# data parallel: minipar DataParallelNaive/Bucket vs torch DDP (gloo), fp32\n\n"
+        f"{__doc__.strip()}\n\n{setup}\n\n"
         f"{md}\n\n{verdict}\n\n## Weak scaling\n\n{scale}\n\n{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "ddp.png")
     return f"{setup}\n\n{md}\n\n{verdict}\n\n{scale}"
@@ -163,7 +166,8 @@ def plot(rows: dict[int, list[dict]], s: dict, path) -> None:
              title=f"weak scaling, {s['batch']} sequences per rank")
     ax_k.legend(fontsize=7)
     ax_k.grid(alpha=0.3)
-    fig.suptitle(f"minipar DataParallel vs torch DDP: {s['model']}, buckets of {s['bucket_mb']:g} MiB, gloo")
+    fig.suptitle(f"minipar DataParallelNaive/Bucket vs torch DDP: {s['model']}, "
+                 f"buckets of {s['bucket_mb']:g} MiB, gloo")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

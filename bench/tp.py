@@ -23,7 +23,7 @@ batch on every rank (TP splits the model, not the data) and the same AdamW (`mak
 A first, untimed step checks that the comparison is of one computation: every variant's loss must
 equal dtensor's within 1e-5 (same init, same batch: a benchmark of two functions is worthless), its
 gradients are compared rank by rank (relative norm; DTensor's rank-local shards), and the collectives
-each variant issues in that step are counted (minipar: comm.count(); DTensor: the functional
+each variant issues in that step are counted (minipar: a comm.CommStats; DTensor: the functional
 collectives the profiler sees; "gloo calls": what gloo ran, as the profiler names it: a ring step is
 a send and a recv, and gloo runs a reduce-scatter as an all-reduce).
 Then, after warm-up steps, a repetition runs one step of each variant (forward with the loss,
@@ -108,6 +108,7 @@ class _Run:
     def __init__(self, name: str, cfg: GPTConfig, mesh):
         torch.manual_seed(0)
         self.model, self.tp = GPT(cfg), None
+        self.stats = comm.CommStats()  # what minipar's TP sends
         if name == "dtensor":
             from torch.distributed.tensor.parallel import parallelize_module
             parallelize_module(self.model, mesh, dtensor_plan(cfg))
@@ -115,7 +116,7 @@ class _Run:
                 block.attn.n_head //= mesh.size()  # the local q, k, v hold n_head / t heads
         else:
             kind, collectives = name.split("/")
-            self.tp = TPGroup.of(None, kind == "tp+sp", collectives)
+            self.tp = TPGroup.of(None, kind == "tp+sp", collectives, self.stats)
             apply_tp(self.model, self.tp)
         self.optimizer = make_optimizer(self.model, LR, WEIGHT_DECAY)
 
@@ -153,11 +154,12 @@ class _Run:
 
 def _check_step(run: _Run, x, y) -> tuple[float, dict, dict]:
     """The untimed first step: (loss, local gradients, {"logical": collectives called, "gloo": the
-    backend's operations}) in forward + backward. minipar's collectives are counted by comm.count();
-    DTensor's are the functional collectives the profiler sees (it also sees those issued inside
-    DTensor's op handlers, such as loss_parallel's, which a dispatch mode would miss)."""
+    backend's operations}) in forward + backward. minipar's collectives are counted by the run's
+    CommStats; DTensor's are the functional collectives the profiler sees (it also sees those issued
+    inside DTensor's op handlers, such as loss_parallel's, which a dispatch mode would miss)."""
     from torch.autograd.profiler import profile
-    with comm.count() as stats, profile(use_kineto=False) as prof:
+    stats = run.stats  # empty so far: this is the run's first step
+    with profile(use_kineto=False) as prof:
         loss = run.forward(x, y)
         run.backward(loss)
     grads = run.local_grads()

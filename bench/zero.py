@@ -55,7 +55,7 @@ from common import RESULTS, add_timing_arguments, main
 from torch.distributed.tensor import DTensor
 
 import minipar
-from minipar import comm, data
+from minipar import data
 from minipar.lessons import demos
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
@@ -136,7 +136,6 @@ def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
     """This rank's bytes in one steady step: {"peak", "after_forward", "between", "gathered"} (docstring)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    comm.release_scratch()  # minipar's ring keeps receive space per thread: let it be made anew
     gc.collect()
     tracker = MemTracker()
     total = lambda kind: sum(snap["Total"] for snap in tracker.get_tracker_snapshot(kind).values())

@@ -10,7 +10,12 @@ import sys
 
 from minipar.config import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.data import SOURCES
-from minipar.model import GPTConfig
+from minipar.launch import torchrun_rank
+from minipar.lessons.viz import loss_curve
+from minipar.model import GPT, GPTConfig, sample
+from minipar.planner import NoFeasiblePlan, explain, format_table, plan
+from minipar.planner.cluster import Cluster
+from minipar.train import train
 
 
 def train_parser(sub) -> argparse.ArgumentParser:
@@ -47,7 +52,6 @@ def train_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_train(args) -> None:
-    from minipar.train import train
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
                  if getattr(args, k) is not None}
     cfg = GPTConfig.preset(args.model, **overrides)
@@ -55,7 +59,7 @@ def run_train(args) -> None:
                          schedule=args.schedule, virtual_stages=args.virtual_stages,
                          sequence_parallel=args.sequence_parallel, precision=args.precision,
                          recompute=args.recompute, reduce_fp32=not args.reduce_16bit)
-    leader = int(os.environ.get("RANK", 0)) == 0
+    leader = torchrun_rank() in (None, 0)  # alone, or rank 0 of a torchrun job
     if leader:
         print(f"model {args.model}: {cfg.num_params:,} parameters | layout: {par.label}")
     res = train(cfg, par, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
@@ -71,12 +75,10 @@ def run_train(args) -> None:
         print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})" if k in pred else "")
                                             for k, v in mem.items()))
     if args.plot:
-        from minipar.lessons.viz import loss_curve
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         loss_curve({par.label: res.losses}).savefig(args.plot)
         print(f"loss curve saved to {args.plot}")
     if args.sample:
-        from minipar.model import GPT, sample
         model = GPT(cfg)
         model.load_state_dict(res.state_dict)
         print("--- sample ---\n" + sample(model, "ROMEO:", args.sample, seed=args.seed))
@@ -97,8 +99,6 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_plan(args) -> None:
-    from minipar.planner import NoFeasiblePlan, explain, format_table, plan
-    from minipar.planner.cluster import Cluster
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
                  if getattr(args, k) is not None}
     cfg, cluster = GPTConfig.preset(args.model, **overrides), Cluster.preset(args.cluster, nodes=args.nodes)

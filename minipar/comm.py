@@ -16,16 +16,17 @@ them, so any length works; the uneven remainder moves the figures by at most one
     reduce-scatter  sends (N-1)/N * S        all-gather (of an S/N-byte input)  sends (N-1)/N * S
     all-reduce      sends 2(N-1)/N * S       broadcast (chain)  sends S, except the last rank: 0
 Time ~ steps * latency + bytes / bandwidth, so the ring is bandwidth-optimal but pays 2(N-1) latencies.
-Memory: reduce-scatter and all-reduce receive partial sums into (N-1)/N * S of scratch space, which
-is kept for the next call (per thread and dtype); nothing else beyond the results.
+Memory: reduce-scatter and all-reduce receive partial sums into (N-1)/N * S of scratch space: fresh
+for each call, or a `Scratch` that the caller owns and passes, which keeps it for the next call;
+nothing else beyond the results.
 
 The chunk each rank sends and receives at each step is data (`ring_schedule`), the same data the
-lesson draws; `count()` records the bytes each rank sends, by collective.
+lesson draws. Counting is explicit: a caller makes a `CommStats` and passes it (`stats=`) to what
+communicates, which adds the bytes it sends and the calls it makes, by collective.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -37,30 +38,22 @@ import torch.distributed as dist
 
 @dataclass
 class CommStats:
-    """Bytes sent and calls made by this rank, keyed by collective ("all_reduce", "p2p", ...)."""
+    """Bytes sent and calls made by this rank, keyed by collective ("all_reduce", "p2p", ...).
+
+    Made by whoever wants the counts (train_rank: one for the whole run) and handed to what
+    communicates: `comm.all_reduce(x, group, stats)`, `DataParallelBucket(..., stats=stats)`..."""
     bytes_sent: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
 
-
-_active_counters: list[CommStats] = []  # the open `count()` blocks of this process, innermost last
-
-
-@contextlib.contextmanager
-def count():
-    """Count what this rank sends inside the block: `with comm.count() as stats: ...`."""
-    stats = CommStats()
-    _active_counters.append(stats)
-    try:
-        yield stats
-    finally:
-        _active_counters.remove(stats)
+    def record(self, kind: str, nbytes: int = 0, calls: int = 0) -> None:
+        """Add bytes sent (and calls made) under `kind`."""
+        self.bytes_sent[kind] += nbytes
+        self.calls[kind] += calls
 
 
-def record(kind: str, nbytes: int = 0, calls: int = 0) -> None:
-    """Add bytes sent (and calls made) under `kind` to every open counter."""
-    for stats in _active_counters:
-        stats.bytes_sent[kind] += nbytes
-        stats.calls[kind] += calls
+def _record(stats: CommStats | None, kind: str, nbytes: int = 0, calls: int = 0) -> None:
+    if stats is not None:
+        stats.record(kind, nbytes, calls)
 
 
 # ----------------------------------------------------------------------------- the ring as data
@@ -87,33 +80,36 @@ def _group_info(group) -> tuple[int, int, list[int]]:
     return dist.get_rank(group), len(ranks), ranks
 
 
-def _isend(tensor: torch.Tensor, dst: int, group, kind: str, calls: int = 0):
-    """Start sending to global rank dst and count the bytes (and `calls`: a ring step is not a call of its
-    own, a pipeline's message is); None for an empty tensor (nothing moves)."""
+def isend(tensor: torch.Tensor, dst: int, group, kind: str, stats: CommStats | None = None,
+          calls: int = 0):
+    """Start sending to global rank dst and count the bytes in `stats` (and `calls`: a ring step is
+    not a call of its own, a pipeline's message is); None for an empty tensor (nothing moves)."""
     if not tensor.numel():
         return None
-    record(kind, tensor.numel() * tensor.element_size(), calls)
+    _record(stats, kind, tensor.numel() * tensor.element_size(), calls)
     return dist.isend(tensor, dst, group)
 
 
-def _irecv(tensor: torch.Tensor, src: int, group):
+def irecv(tensor: torch.Tensor, src: int, group):
     """Start receiving from global rank src into `tensor`; None for an empty tensor."""
     return dist.irecv(tensor, src, group) if tensor.numel() else None
 
 
-def _wait(*works) -> None:
+def wait(*works) -> None:
+    """Wait for each started send or receive (None: nothing was started)."""
     for work in works:
         if work is not None:
             work.wait()
 
 
-def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group, kind: str) -> None:
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group, kind: str,
+              stats: CommStats | None) -> None:
     """Send to global rank dst and receive from global rank src as one group; wait for both."""
     ops = [dist.P2POp(dist.irecv, recv, src, group)] if recv.numel() else []
     if send.numel():
         ops.append(dist.P2POp(dist.isend, send, dst, group))
-        record(kind, send.numel() * send.element_size())
-    _wait(*(dist.batch_isend_irecv(ops) if ops else []))
+        _record(stats, kind, send.numel() * send.element_size())
+    wait(*(dist.batch_isend_irecv(ops) if ops else []))
 
 
 def _posts_ahead(group) -> bool:
@@ -128,29 +124,33 @@ def _posts_ahead(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-_scratch = threading.local()  # this thread's reusable receive space, by (dtype, device)
-
-
-def release_scratch() -> None:
-    """Free this thread's receive space (ZeRO-3 does, once a step, to hold no more than it must)."""
-    _scratch.__dict__.pop("buffers", None)
-
-
-def _scratch_space(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """`numel` elements of reusable receive space (kept per thread, grown when needed, never freed).
+class Scratch:
+    """Receive space that its owner keeps between calls, by (dtype, device), grown when needed.
 
     Why keep it: a fresh tensor of tens of MB costs a page fault per 4 KB page on first touch, which on
     a CPU takes longer than the additions the space is for (measured: 32 MB, 11 ms fresh vs 3 ms reused).
+    One owner, one thread at a time (DataParallelBucket's communication thread, ZeRO's, a TP group's
+    forward and backward): two calls in flight on one Scratch would share its space.
     """
-    cache = _scratch.__dict__.setdefault("buffers", {})
-    key = (like.dtype, like.device)
-    if key not in cache or cache[key].numel() < numel:
-        cache[key] = None  # free the old buffer before the bigger one is made
-        cache[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-    return cache[key][:numel]
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """`numel` elements of the space, of `like`'s dtype and device."""
+        key = (like.dtype, like.device)
+        if key not in self.buffers or self.buffers[key].numel() < numel:
+            self.buffers[key] = None  # free the old buffer before the bigger one is made
+            self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self.buffers[key][:numel]
+
+    def release(self) -> None:
+        """Free the space (ZeRO-3 does, once a step, to hold no more than it must)."""
+        self.buffers.clear()
 
 
-def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=None) -> None:
+def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=None, stats=None,
+          scratch: Scratch | None = None) -> None:
     """Run ring phases over `chunks` (one per rank of the group, possibly uneven), in order.
 
     reduce-scatter: a partial sum arrives from the left (into scratch space), this rank adds its own
@@ -165,74 +165,83 @@ def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=N
     right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
     plan = [(phase, *step[rank]) for phase in phases for step in ring_schedule(n, phase)]
     sums = [chunks[recv_i] for phase, _, recv_i in plan if phase == "reduce-scatter"]
-    space = iter(_scratch_space(sum(c.numel() for c in sums), chunks[0]).split([c.numel() for c in sums]))
+    need = sum(c.numel() for c in sums)
+    space = scratch.take(need, chunks[0]) if scratch is not None else chunks[0].new_empty(need)
+    space = iter(space.split([c.numel() for c in sums]))
     landing = [next(space).view_as(chunks[recv_i]) if phase == "reduce-scatter" else chunks[recv_i]
                for phase, _, recv_i in plan]
     ahead = _posts_ahead(group)
-    recvs = [_irecv(t, left, group) for t in landing] if ahead else [None] * len(plan)
+    recvs = [irecv(t, left, group) for t in landing] if ahead else [None] * len(plan)
     sends, ready = [], chunks[plan[0][1]]  # step 0 sends this rank's own chunk
     for (phase, send_i, recv_i), incoming, recv in zip(plan, landing, recvs):
         if ahead:  # ready holds chunk send_i: what arrived (and was added to) at the step before
-            sends.append(_isend(ready, right, group, kind))
-            _wait(recv)
+            sends.append(isend(ready, right, group, kind, stats))
+            wait(recv)
         else:
-            _exchange(ready, right, incoming, left, group, kind)
+            _exchange(ready, right, incoming, left, group, kind, stats)
         if phase == "all-gather":
             ready = incoming
         else:
             ready = torch.add(incoming, chunks[recv_i], out=out if recv_i == rank else incoming)
-    _wait(*sends)
+    wait(*sends)
 
 
 # ----------------------------------------------------------------------------- collectives
 
 
-def reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """The sum over the group of `tensor`, and this rank's part of it: `tensor_split(sum, n)[rank]`."""
-    record("reduce_scatter", calls=1)
+def reduce_scatter(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
+                   scratch: Scratch | None = None) -> torch.Tensor:
+    """The sum over the group of `tensor`, and this rank's part of it: `tensor_split(sum, n)[rank]`.
+    stats: where to count what it sends; scratch: receive space to reuse (else fresh)."""
+    _record(stats, "reduce_scatter", calls=1)
     rank, n, _ = _group_info(group)
     chunks = torch.tensor_split(tensor.detach().contiguous(), n)
     out = torch.empty_like(chunks[rank])
     if n == 1:
         return out.copy_(chunks[0])
-    _ring(chunks, ["reduce-scatter"], group, "reduce_scatter", out)
+    _ring(chunks, ["reduce-scatter"], group, "reduce_scatter", out, stats, scratch)
     return out
 
 
-def all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Every rank's `tensor` (same shape everywhere) concatenated along dim 0, in rank order."""
-    record("all_gather", calls=1)
+def all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
+               scratch: Scratch | None = None) -> torch.Tensor:
+    """Every rank's `tensor` (same shape everywhere) concatenated along dim 0, in rank order.
+    (scratch: unused, the chunks arrive in place; taken so that the three collectives are alike.)"""
+    _record(stats, "all_gather", calls=1)
     rank, n, _ = _group_info(group)
     piece = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()  # 0-dim: out is (n,)
     out = torch.empty((n * piece.shape[0], *piece.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     chunks = out.chunk(n)
     chunks[rank].copy_(piece)
     if n > 1:
-        _ring(chunks, ["all-gather"], group, "all_gather")
+        _ring(chunks, ["all-gather"], group, "all_gather", stats=stats)
     return out
 
 
-def all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
+               scratch: Scratch | None = None) -> torch.Tensor:
     """Sum `tensor` in place across the group: ring reduce-scatter, then ring all-gather."""
-    record("all_reduce", calls=1)
+    _record(stats, "all_reduce", calls=1)
     rank, n, _ = _group_info(group)
     if n == 1:
         return tensor
     flat = tensor.detach().contiguous().view(-1)  # a copy only when tensor is not contiguous
     chunks = torch.tensor_split(flat, n)
-    _ring(chunks, ["reduce-scatter", "all-gather"], group, "all_reduce", out=chunks[rank])
+    phases = ["reduce-scatter", "all-gather"]
+    _ring(chunks, phases, group, "all_reduce", chunks[rank], stats, scratch)
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view_as(tensor))
     return tensor
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8,
+              stats: CommStats | None = None) -> torch.Tensor:
     """Copy src's `tensor` (src a global rank) to every rank, in place, along a pipelined chain.
 
     The chain starts at src and follows the ring; the tensor travels in `pieces` parts so that a
     rank forwards part i while it receives part i+1 (bandwidth-optimal for large tensors).
     """
-    record("broadcast", calls=1)
+    _record(stats, "broadcast", calls=1)
     rank, n, ranks = _group_info(group)
     if src not in ranks:
         raise ValueError(f"broadcast src {src} is not in the group {ranks}")
@@ -243,15 +252,15 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8) -> to
     parts = torch.tensor_split(flat, min(pieces, max(1, flat.numel())))
     right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
     ahead = _posts_ahead(group)
-    recvs = [_irecv(part, left, group) if pos > 0 and ahead else None for part in parts]
+    recvs = [irecv(part, left, group) if pos > 0 and ahead else None for part in parts]
     sends = []
     for part, recv in zip(parts, recvs):
         if pos > 0 and not ahead:
-            recv = _irecv(part, left, group)
-        _wait(recv)
+            recv = irecv(part, left, group)
+        wait(recv)
         if pos < n - 1:
-            sends.append(_isend(part, right, group, "broadcast"))
-    _wait(*sends)
+            sends.append(isend(part, right, group, "broadcast", stats))
+    wait(*sends)
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view_as(tensor))
     return tensor
@@ -260,34 +269,37 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8) -> to
 # ----------------------------------------------------------------------------- the backend's, side by side
 
 
-def _nominal(kind: str, n: int, nbytes: int) -> None:
-    """Count a backend collective as the ring would send it (gloo's and NCCL's algorithms may differ)."""
-    record(f"torch_{kind}", (2 if kind == "all_reduce" else 1) * (n - 1) * nbytes // n, 1)
+def nominal(stats: CommStats | None, kind: str, n: int, nbytes: int) -> None:
+    """Count a backend collective of `nbytes` over n ranks as the ring would send it (gloo's and
+    NCCL's algorithms may differ), under "torch_<kind>"."""
+    _record(stats, f"torch_{kind}", (2 if kind == "all_reduce" else 1) * (n - 1) * nbytes // n, 1)
 
 
-def torch_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """torch.distributed's all-reduce, in place, counted like ours."""
-    n = dist.get_world_size(group)
-    _nominal("all_reduce", n, tensor.numel() * tensor.element_size())
+def torch_all_reduce(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
+                     scratch=None) -> torch.Tensor:
+    """torch.distributed's all-reduce, in place, counted like ours (scratch: unused, as below)."""
+    nominal(stats, "all_reduce", dist.get_world_size(group), tensor.numel() * tensor.element_size())
     dist.all_reduce(tensor, group=group)
     return tensor
 
 
-def torch_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def torch_reduce_scatter(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
+                         scratch=None) -> torch.Tensor:
     """torch.distributed's reduce-scatter along dim 0 (its length must divide by the group size)."""
     n = dist.get_world_size(group)
     out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _nominal("reduce_scatter", n, tensor.numel() * tensor.element_size())
+    nominal(stats, "reduce_scatter", n, tensor.numel() * tensor.element_size())
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
     reduce_scatter(out, tensor.contiguous(), group=group)
     return out
 
 
-def torch_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def torch_all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
+                     scratch=None) -> torch.Tensor:
     """torch.distributed's all-gather along dim 0 (every rank's tensor of the same shape)."""
     n = dist.get_world_size(group)
     out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _nominal("all_gather", n, out.numel() * out.element_size())
+    nominal(stats, "all_gather", n, out.numel() * out.element_size())
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
     all_gather(out, tensor.contiguous(), group=group)
     return out
@@ -295,11 +307,21 @@ def torch_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Collectives:
-    """One implementation's all-reduce, reduce-scatter and all-gather, chosen by name."""
+    """One implementation's all-reduce, reduce-scatter and all-gather: (tensor, group) -> tensor."""
     all_reduce: object
     reduce_scatter: object
     all_gather: object
 
 
-IMPLEMENTATIONS = {"minipar": Collectives(all_reduce, reduce_scatter, all_gather),
-                   "torch": Collectives(torch_all_reduce, torch_reduce_scatter, torch_all_gather)}
+IMPLEMENTATIONS = {"minipar": (all_reduce, reduce_scatter, all_gather),
+                   "torch": (torch_all_reduce, torch_reduce_scatter, torch_all_gather)}
+
+
+def implementation(name: str, stats: CommStats | None = None,
+                   scratch: Scratch | None = None) -> Collectives:
+    """The collectives of implementation `name` ("minipar": the ring above, "torch": the backend's),
+    counting into `stats` and, for the ring, receiving into `scratch` (see Scratch)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"collectives must be one of {tuple(IMPLEMENTATIONS)}, got {name!r}")
+    bound = (functools.partial(fn, stats=stats, scratch=scratch) for fn in IMPLEMENTATIONS[name])
+    return Collectives(*bound)

@@ -59,6 +59,14 @@ def pick_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank in a torchrun job (torchrun sets RANK and WORLD_SIZE), None outside
+    one."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0, on_line=None,
            **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` fresh ranks; return fn's results, by rank.
@@ -70,7 +78,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if torchrun_rank() is not None:
         return _join_torchrun(fn, world_size, args, kwargs, backend, timeout)
     if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
         raise ValueError(f"fn {fn.__qualname__!r} is defined in a notebook or REPL; worker processes can "
@@ -120,6 +128,7 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
     """
     deadline = time.monotonic() + timeout
     done, failed = {}, {}  # rank -> result; rank -> (wall time of the failure, what happened)
+    first_failure = None  # when the first failure arrived (monotonic seconds)
     pending = dict(results)
     while len(done) < len(procs):
         left = deadline - time.monotonic()
@@ -146,7 +155,7 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
             if status == "ok":
                 done[rank] = payload
                 continue
-            first_failure = time.monotonic() if not failed else first_failure
+            first_failure = first_failure if failed else time.monotonic()
             failed[rank] = (when, f"{'raised' if status == 'error' else 'died'}:\n{payload}")
     _drain(outputs)
     return [done[r] for r in range(len(procs))]

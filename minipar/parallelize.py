@@ -7,9 +7,10 @@
   2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest, so the
                          steps below see only this rank's parameters.
   3. recomputation       wraps the blocks this rank holds (their forward, or their attention core).
-  4. precision, ZeRO, DP cast the parameters to 16 bits and keep fp32 masters, or shard them into flat
-                         buffers (ZeRO), or hook their gradients (DP). Last among the model changes: they
-                         capture the parameters' final identity and dtype.
+  4. precision, ZeRO, DP cast the parameters to 16 bits and keep fp32 masters (`apply_precision`),
+                         or shard them into flat buffers (`apply_zero`), or hook their gradients
+                         (`apply_dp`). Last among the model changes: they capture the parameters'
+                         final identity and dtype (why in this order among them: at each call).
   5. pipeline executor   after precision: the messages between stages have the model's dtype.
 A checkpoint's weights are loaded into the full model before 1 (the cut is the same as from the seed's
 initialisation); its optimizer moments after 4, cut the same way (checkpoint.restore).
@@ -21,32 +22,49 @@ from dataclasses import dataclass
 import torch
 
 from minipar import checkpoint
+from minipar.comm import CommStats
 from minipar.config import ParallelConfig
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel import DataParallelBucket, DataParallelNaive
 from minipar.mesh import Mesh
 from minipar.model import GPT, cross_entropy
 from minipar.pipeline import schedule
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
-from minipar.precision import DTYPES, MixedPrecision
+from minipar.precision import DTYPES, LossScaler, MixedPrecision
 from minipar.recompute import apply_recompute
-from minipar.tensor_parallel import TPGroup, apply_tp, vocab_parallel_cross_entropy
+from minipar.tensor_parallel import (
+    TPGroup,
+    apply_tp,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
 from minipar.zero import Zero3, ZeroOptimizer
 
 
 @dataclass
 class Parallel:
     """What one rank trains with. A step: forward and backward (through `pipe` if pp > 1, with
-    `loss_fn`), `dp.finish()`, the SP gradient sum if `tp`, then `optimizer.step()` (ZeRO) or
-    `mp.step(optimizer, reduce)`."""
+    `loss_fn`), then `sync_and_step()`."""
     model: torch.nn.Module            # this rank's share of the GPT (names as in GPT)
     optimizer: object                 # AdamW, or a ZeRO optimizer that also reduces the gradients
     mp: MixedPrecision                # autocast, loss scaling, fp32 masters (unless ZeRO keeps them)
     loss_fn: object                   # (logits, targets) -> mean loss; vocab-parallel with tp > 1
     tp: TPGroup | None = None
-    dp: DataParallel | None = None    # reduces the model's gradients (dp > 1, no ZeRO)
-    masters: DataParallel | None = None  # or the fp32 masters' (mixed precision, reduce_fp32)
-    reduce: object = None             # what mp.step calls to reduce the masters' gradients
+    dp: DataParallelNaive | None = None       # reduces the model's gradients (dp > 1, no ZeRO)
+    masters: DataParallelNaive | None = None  # or the fp32 masters' (mixed precision, reduce_fp32)
     pipe: PipelineExecutor | None = None
+
+    def sync_and_step(self) -> None:
+        """After backward: average the gradients over DP, sum SP's partial ones over TP, then step
+        the optimizer (ZeRO's reduces its gradients itself; MixedPrecision's moves the grads to the
+        fp32 masters, reduces those, steps and rounds back)."""
+        if self.dp:
+            self.dp.finish()
+        if self.tp and self.tp.sequence_parallel:  # after DP's, which writes the gradients back
+            sync_sequence_parallel_grads(self.model, self.tp)
+        if isinstance(self.optimizer, (ZeroOptimizer, Zero3)):
+            self.optimizer.step()
+        else:
+            self.mp.step(self.optimizer, reduce=self.masters.reduce if self.masters else None)
 
     def close(self) -> None:
         for sync in (self.dp, self.masters):
@@ -64,44 +82,81 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, global_batch: int, lr: float, weight_decay: float,
+def apply_precision(model: torch.nn.Module, par: ParallelConfig, masters: bool = True,
+                    scaler: LossScaler | None = None) -> MixedPrecision:
+    """Cast `model` to par.precision in place, keeping fp32 masters unless `masters` is False (ZeRO
+    keeps them); `scaler`: fp16's loss scaler, shared with ZeRO."""
+    return MixedPrecision(model, par.precision, masters=masters, scaler=scaler)
+
+
+def apply_zero(model: torch.nn.Module, par: ParallelConfig, mesh: Mesh, lr: float,
+               weight_decay: float, scaler: LossScaler | None, stats: CommStats | None):
+    """ZeRO stage par.zero over the DP group: shards `model`'s parameters (fp32 masters of the shard
+    under mixed precision) and returns the optimizer that reduces the gradients and steps."""
+    shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision],
+                 master=par.precision in ("bf16", "fp16"), scaler=scaler, stats=stats)
+    if par.zero == 3:
+        return Zero3(model, mesh.dp_group, lr, weight_decay, **shard)
+    return ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard)
+
+
+def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, mesh: Mesh,
+             stats: CommStats | None) -> tuple[DataParallelNaive | None, DataParallelNaive | None]:
+    """(dp, masters): what averages the gradients over the DP group, for par.dp > 1. dp reduces the
+    model's own gradients (par.dp_mode: DataParallelNaive or DataParallelBucket); masters, under
+    mixed precision with par.reduce_fp32, the fp32 master gradients instead, an all-reduce per
+    tensor."""
+    if par.dp == 1:
+        return None, None
+    if mp.master is not None and par.reduce_fp32:
+        return None, DataParallelNaive(mp.master, mesh.dp_group, par.collectives, stats)
+    if par.dp_mode == "naive":
+        return DataParallelNaive(model, mesh.dp_group, par.collectives, stats), None
+    bucket_bytes = int(par.bucket_mb * 2**20)
+    return DataParallelBucket(model, mesh.dp_group, bucket_bytes, par.collectives, stats), None
+
+
+def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: int, lr: float,
+                weight_decay: float, stats: CommStats | None = None, after_compute=None,
                 resumed: dict | None = None) -> Parallel:
     """This rank's model and optimizer for layout `par`, from the full single-device `model` (cut in
-    place), in the order the module docstring gives; `resumed`: a loaded checkpoint to continue."""
+    place), in the order the module docstring gives. stats: the CommStats every technique counts its
+    messages in; after_compute: the pipeline's per-action hook (PipelineExecutor); `resumed`: a
+    loaded checkpoint to continue."""
     cfg = model.cfg
     if resumed:
         model.load_state_dict(resumed["model"])
     tp, loss_fn = None, cross_entropy
     if par.tp > 1:                                                          # 1. tensor parallelism
-        tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives)
+        tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives, stats)
         model = apply_tp(model, tp)
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)  # noqa: E731
     if par.pp > 1:                                                          # 2. pipeline stages
         chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages, layers=par.stage_layers)
         free_unused(model, chunks.values())
     apply_recompute(model, par.recompute)                                   # 3. recomputation
-    if par.zero:                                                            # 4. ZeRO keeps its own masters
-        mixed = par.precision in ("bf16", "fp16")
-        shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision], master=mixed)
-        optimizer = Zero3(model, mesh.dp_group, lr, weight_decay, **shard) if par.zero == 3 else \
-            ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard)
-        mp = MixedPrecision(model, par.precision, masters=False)  # autocast and loss scale only
-        optimizer.scaler = mp.scaler
-        run = Parallel(model, optimizer, mp, loss_fn, tp)
-    else:                                                                   # 4. precision, then DP
-        mp = MixedPrecision(model, par.precision)  # before DataParallel captures the parameters' dtype
-        run = Parallel(model, make_optimizer(mp.optimized, lr, weight_decay), mp, loss_fn, tp)
-        if par.dp > 1 and (mp.master is None or not par.reduce_fp32):  # the model's own gradients
-            run.dp = DataParallel(model, mesh.dp_group, par.dp_mode, int(par.bucket_mb * 2**20), par.collectives)
-        elif par.dp > 1:  # mixed precision: the fp32 master gradients, an all-reduce per tensor (naive)
-            run.masters = DataParallel(mp.master, mesh.dp_group, "naive", collectives=par.collectives)
-            run.reduce = lambda grads: run.masters.finish()  # noqa: E731
+    dp = masters = None                                                     # 4. precision, ZeRO, DP
+    if par.zero:
+        # ZeRO before precision: its fp32 master shards are cut from the fp32 initialisation and it
+        # casts its flat buffers itself; precision then only autocasts, and scales the loss with the
+        # scaler ZeRO unscales by
+        scaler = LossScaler() if par.precision == "fp16" else None
+        optimizer = apply_zero(model, par, mesh, lr, weight_decay, scaler, stats)
+        mp = apply_precision(model, par, masters=False, scaler=scaler)
+    else:
+        # precision before DP: the masters copy the fp32 weights before the cast, and DP's buckets
+        # take the dtype of the gradients they will hold
+        mp = apply_precision(model, par)
+        optimizer = make_optimizer(mp.optimized, lr, weight_decay)
+        dp, masters = apply_dp(model, mp, par, mesh, stats)  # last: hooks on the final parameters
+    pipe = None
     if par.pp > 1:                                                          # 5. the pipeline's executor
         # this DP rank's micro-batch: with uneven dp_shares the replicas' pipelines carry different b
         rows = par.dp_rows(global_batch)[mesh.dp_rank] // par.microbatches
         seq = cfg.seq_len // (par.tp if par.sequence_parallel else 1)
         plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-        run.pipe = PipelineExecutor(chunks, plan, (rows, seq, cfg.d_model), mesh.pp_group, loss_fn=loss_fn)
+        pipe = PipelineExecutor(chunks, plan, (rows, seq, cfg.d_model), mesh.pp_group,
+                                loss_fn=loss_fn, stats=stats, after_compute=after_compute)
     if resumed:
-        checkpoint.restore(resumed, model, run.optimizer, mp, tp)
-    return run
+        checkpoint.restore(resumed, model, optimizer, mp, tp)
+    return Parallel(model, optimizer, mp, loss_fn, tp, dp, masters, pipe)

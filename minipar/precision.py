@@ -78,7 +78,11 @@ class MixedPrecision:
     """
 
     def __init__(self, model: nn.Module, precision: str = "bf16", *, init_scale: float = 2.0**16,
-                 growth_interval: int = 2000, masters: bool = True):
+                 growth_interval: int = 2000, masters: bool = True,
+                 scaler: LossScaler | None = None):
+        """masters=False: someone else keeps the fp32 masters (ZeRO's shards); scaler: fp16's loss
+        scaler when it is shared with such an optimizer (else one is made from init_scale and
+        growth_interval)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.model, self.precision, self.dtype = model, precision, DTYPES[precision]
@@ -91,7 +95,10 @@ class MixedPrecision:
         for p in self.params:
             p.data = p.data.to(self.dtype)  # the model now holds 16-bit weights (no-op for fp32)
         self.optimized: nn.Module = self.master if mixed else model  # what to build the optimizer on
-        self.scaler = LossScaler(init_scale, growth_interval=growth_interval) if precision == "fp16" else None
+        if precision != "fp16":
+            self.scaler = None
+        else:
+            self.scaler = scaler or LossScaler(init_scale, growth_interval=growth_interval)
         self.grad_bytes = 0  # bytes of the model's grads at the last grads_to_master (their peak)
 
     def autocast(self):

@@ -35,7 +35,7 @@ Per rank, t ranks, l layers, h hidden, a heads, V vocabulary, b s tokens per mic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -55,14 +55,19 @@ class TPGroup:
     rank: int                         # this rank's place in the group
     sequence_parallel: bool = False   # shard LayerNorms and the residual stream along the sequence
     collectives: str = "minipar"      # "minipar" (comm.py's ring) or "torch" (the backend's)
+    stats: comm.CommStats | None = field(default=None, compare=False)  # counts what the group sends
+    scratch: comm.Scratch = field(default_factory=comm.Scratch, compare=False, repr=False)  # ring's
 
     @classmethod
-    def of(cls, group, sequence_parallel: bool = False, collectives: str = "minipar") -> "TPGroup":
-        return cls(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel, collectives)
+    def of(cls, group, sequence_parallel: bool = False, collectives: str = "minipar",
+           stats: comm.CommStats | None = None) -> "TPGroup":
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return cls(group, size, rank, sequence_parallel, collectives, stats)
 
     @property
     def ops(self) -> comm.Collectives:
-        return comm.IMPLEMENTATIONS[self.collectives]
+        """The group's all-reduce, reduce-scatter and all-gather, counted in `stats`."""
+        return comm.implementation(self.collectives, self.stats, self.scratch)
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
         """Leave a parallel region: g (all-reduce), or with SP a reduce-scatter along the sequence."""
@@ -352,7 +357,7 @@ def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
 
 def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
     """Bytes one rank (of DP rank `dp_rank`: its b with par.dp_shares) sends to its TP group per step,
-    {collective: bytes}, as `comm.count` names them.
+    {collective: bytes}, as a `comm.CommStats` names them.
 
     A micro-batch of b s tokens, X = b s h e bytes (e = 4 in fp32, 2 in 16-bit), t ranks, l layers:
       no SP  all_reduce      (4 l + 2) 2(t-1)/t X            the layers' f and g, embedding, head

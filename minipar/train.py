@@ -4,6 +4,8 @@
 the single-device reference every technique is compared with) or on `par.world` ranks through
 `minipar.launch` (or the ranks of a torchrun job), and merges what the ranks return.
 
+`train_layouts` runs train_rank for many layouts, one after the other, in one job (one launch).
+
 A step: take the global batch of this step (the same for every layout), run forward and backward on
 each of this rank's micro-batches (the loss of each scaled by 1/microbatches, so the gradients are
 those of the mean), step the optimizer. The loss reported is the global mean. With uneven DP shares
@@ -15,7 +17,6 @@ memory by category.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,13 +28,13 @@ from minipar import checkpoint, comm, memory
 from minipar import data as dataset
 from minipar.config import ParallelConfig
 from minipar.hardware import peak_flops
-from minipar.launch import launch, pick_backend
+from minipar.launch import launch, pick_backend, torchrun_rank
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
-from minipar.parallelize import make_optimizer, parallelize  # noqa: F401  (make_optimizer: public here too)
+from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F401 (make_optimizer)
 from minipar.pipeline.runtime import gather_stages
 from minipar.precision import DTYPES
-from minipar.tensor_parallel import full_state_dict, sync_sequence_parallel_grads
+from minipar.tensor_parallel import full_state_dict
 from minipar.zero import Zero3, ZeroOptimizer
 
 
@@ -57,6 +58,21 @@ class TrainResult:
                 f"{self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak memory "
                 f"{max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory) / 2**20:.1f} MiB "
                 "on the fullest rank")
+
+
+@dataclass
+class RankResult:
+    """One rank's training run (`train_rank`); `train` merges every rank's into a TrainResult."""
+    losses: list[float]                 # the global mean loss of each step (the same on every rank)
+    step_times: list[float]             # seconds per step
+    memory: dict                        # {category: bytes}, persistent ones at the first step, the
+                                        #   activations' peak over the run (CUDA: + the allocator's)
+    comm: dict                          # {collective or "p2p": bytes sent over the steps}
+    calls: dict                         # {collective or "p2p": calls made over the steps}
+    timeline: list = field(repr=False)  # the last step's pipeline actions, or DP's spans:
+                                        #   (what, start, end) in perf_counter seconds
+    device: str = "cpu"
+    state_dict: dict | None = field(default=None, repr=False)  # single-device weights (rank 0)
 
 
 def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10, global_batch: int = 8,
@@ -83,118 +99,163 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
         raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} steps")
     if not isinstance(save_every, int) or save_every < 0:
         raise ValueError(f"save_every must be a non-negative integer, got {save_every!r}")
-    args = (cfg, par, steps, global_batch, lr, weight_decay, seed, data, return_state)
-    args += (dict(save=save, every=save_every or steps, resume=resume),)
+    job = dict(cfg=cfg, par=par, steps=steps, global_batch=global_batch, lr=lr,
+               weight_decay=weight_decay, seed=seed, data=data, return_state=return_state,
+               save=save, save_every=save_every, resume=resume)
     bar, report = ProgressBar(steps - done, show=progress, on_step=on_step), progress or on_step is not None
+    torchrun = torchrun_rank() is not None
     try:
-        if par.world == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        if par.world == 1 and not dist.is_initialized() and not torchrun:
             device = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
-            ranks = [train_rank(*args, report=bar.update if report else None, device=device)]
-        elif "WORLD_SIZE" in os.environ:  # a torchrun job: this process is one rank
-            ranks = launch(train_rank, par.world, *args, report=bar.update if report else None,
-                           backend=backend, timeout=timeout)
+            ranks = [train_rank(**job, report=bar.update if report else None, device=device)]
+        elif torchrun:  # this process is one rank
+            ranks = launch(train_rank, par.world, report=bar.update if report else None,
+                           backend=backend, timeout=timeout, **job)
         else:  # local workers report through their output, the bar is drawn here
-            ranks = launch(train_rank, par.world, *args, report=ProgressBar.print_line if report else None,
-                           backend=backend, timeout=timeout, on_line=bar.on_line)
+            ranks = launch(train_rank, par.world, report=ProgressBar.print_line if report else None,
+                           backend=backend, timeout=timeout, on_line=bar.on_line, **job)
     finally:
         bar.close()
-    steady = ranks[0]["step_times"][1:] or ranks[0]["step_times"]
+    return _merge(ranks, cfg, par, global_batch)
+
+
+def _merge(ranks: list[RankResult], cfg, par, global_batch: int) -> TrainResult:
+    """Every rank's RankResult as one TrainResult: rank 0's losses and times, every rank's
+    memory."""
+    steady = ranks[0].step_times[1:] or ranks[0].step_times
     step = statistics.median(steady)
     # MFU's denominator: the peak of the devices the job ran on. Local CPU ranks share one CPU, so
     # its measured peak counts once; GPU ranks each bring their own.
-    device, dtype = ranks[0]["device"], DTYPES[par.precision]
+    device, dtype = ranks[0].device, DTYPES[par.precision]
     peak = peak_flops(device.split(":")[0], dtype) * (par.world if device.startswith("cuda") else 1)
     return TrainResult(
-        losses=ranks[0]["losses"], step_times=ranks[0]["step_times"],
+        losses=ranks[0].losses, step_times=ranks[0].step_times,
         tokens_per_s=global_batch * cfg.seq_len / step,
         mfu=cfg.flops_per_token * global_batch * cfg.seq_len / step / peak,
-        peak_memory=[r["memory"] for r in ranks], comm_bytes=[r["comm"] for r in ranks],
-        comm_calls=[r["calls"] for r in ranks], timelines=[r["timeline"] for r in ranks],
-        state_dict=ranks[0]["state"], predicted_memory=_predicted(cfg, par, global_batch))
+        peak_memory=[r.memory for r in ranks], comm_bytes=[r.comm for r in ranks],
+        comm_calls=[r.calls for r in ranks], timelines=[r.timeline for r in ranks],
+        state_dict=ranks[0].state_dict, predicted_memory=_predicted(cfg, par, global_batch))
 
 
-def train_rank(cfg, par, steps, global_batch, lr, weight_decay, seed, source, return_state, checkpoints=None,
-               report=None, device: str | None = None, slow_ranks: dict | None = None) -> dict:
-    """One rank's training run; returns its losses, timings, memory, bytes sent and (rank 0) weights.
+def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch: int,
+               lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
+               return_state: bool = False, save: str | None = None, save_every: int = 0,
+               resume: str | None = None, report=None, device: str | None = None,
+               after_compute=None) -> RankResult:
+    """One rank's training run (the arguments are train's); returns its losses, timings, memory,
+    bytes sent and (rank 0, with return_state) the single-device weights.
 
     report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
-    slow_ranks {global rank: factor >= 1}: a stated, synthetic throttle for demonstrations of
-    heterogeneous devices (demos_hetero.py), not a feature of `train`: after each micro-batch's forward
-    and backward (each pipeline action) such a rank sleeps (factor - 1) times what that compute took, so
-    it computes like a device `factor` times slower; sleeping frees the core for the other ranks."""
-    if device is None:
-        device = f"cuda:{torch.cuda.current_device()}" if dist.is_initialized() and \
-            dist.get_backend() == "nccl" else "cpu"
-    mesh = Mesh.build(par.dp, par.tp, par.pp)
+    after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
+    pipeline action) with the seconds it took: a hook for demonstrations (demos_hetero's
+    throttle)."""
+    device = device or _device()
+    mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the same one
-    checkpoints = checkpoints or dict(save=None, every=steps, resume=None)
-    resumed = checkpoint.load(checkpoints["resume"], cfg) if checkpoints["resume"] else None
-    run = parallelize(model, par, mesh, global_batch, lr, weight_decay, resumed)
-    model, optimizer, mp, dp, tp, pipe = run.model, run.optimizer, run.mp, run.dp, run.tp, run.pipe
+    resumed = checkpoint.load(resume, cfg) if resume else None
+    run = parallelize(model, par, mesh, global_batch=global_batch, lr=lr, weight_decay=weight_decay,
+                      stats=stats, after_compute=after_compute, resumed=resumed)
+    rows = _rows(par, mesh, global_batch)
+    meter, clock = memory.ActivationMeter(), _Clock(device)
+    losses, step_times, mem, timeline = [], [], {}, None
     first = resumed["steps_done"] if resumed else 0
-    # this DP rank's rows: [start, start + count) of the global batch (uneven with par.dp_shares). Its
-    # loss is the mean over its rows; DP averages gradients over the dp ranks, so weighting the loss by
-    # count / global_batch * dp makes that average the mean over the global batch (1.0 when even)
-    shares = par.dp_rows(global_batch)
-    start, count = sum(shares[:mesh.dp_rank]), shares[mesh.dp_rank]
-    weight = count * par.dp / global_batch
-    slowdown = float((slow_ranks or {}).get(mesh.rank, 1.0))
-    if not slowdown >= 1.0:
-        raise ValueError(f"slow_ranks factors must be >= 1 (times slower), got {slowdown!r}")
-    if pipe:
-        pipe.slowdown = slowdown
-    meter = memory.ActivationMeter()
-    losses, step_times, mem, timeline = [], [], {}, []
-    report = report if mesh.rank == 0 else None
-    clock = _Clock(device)
-    with comm.count() as sent:
-        for step in range(first, steps):
-            clock.start()
-            x, y = dataset.global_batch(source, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
-            if pipe:  # every micro-batch's forward and backward, in the schedule's order
-                rows = [[dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
-                         for mb in range(par.microbatches)] for t in (x, y)]
-                with meter, mp.autocast(), dp.no_sync() if dp else contextlib.nullcontext():
-                    scale = (mp.scaler.scale if mp.scaler else 1.0) * weight
-                    loss_sum, timeline = pipe.step(*rows, loss_scale=scale)
-                loss_sum = _sum_over(loss_sum, mesh.pp_group)  # the last stage has it, the others 0
-            else:
-                loss_sum = _accumulate(model, x, y, par, (start, count), device, mp, dp, meter, run.loss_fn,
-                                       weight, slowdown)
-            if dp:
-                dp.finish()
-            if tp and tp.sequence_parallel:  # after DP's reduction, which writes the gradients back
-                sync_sequence_parallel_grads(model, tp)
-            # the step before any other collective: ZeRO-3 may still be reducing gradients
-            optimizer.step() if par.zero else mp.step(optimizer, run.reduce)
-            if par.dp > 1:
-                loss_sum = _sum_over(loss_sum * weight, mesh.dp_group) / par.dp  # the global mean
-            if step == first:  # grads still held, optimizer state just allocated
-                mem = _measure(model, optimizer, dp, mp)
-            optimizer.zero_grad()
-            step_times.append(clock.stop())
-            losses.append(loss_sum)
-            if report:
-                report(loss_sum, global_batch * cfg.seq_len / step_times[-1])
-            if checkpoints["save"] and ((step + 1) % checkpoints["every"] == 0 or step + 1 == steps):
-                state = checkpoint.gather(model, optimizer, mp, tp, mesh.pp_group, step + 1, cfg)
-                if state:  # rank 0
-                    checkpoint.save(state, checkpoints["save"])
+    for step in range(first, steps):
+        clock.start()
+        # the batch: this step's global batch, the same for every layout
+        x, y = dataset.global_batch(data, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
+        # forward and backward of this rank's micro-batches (with pp > 1 in the schedule's order)
+        loss, timeline = _forward_backward(run, par, mesh, x, y, rows, device, meter, after_compute)
+        # gradient sync and optimizer step, before any other collective (ZeRO-3 may be reducing)
+        run.sync_and_step()
+        # metrics: the global mean loss; memory at the first step (grads held, optimizer state new)
+        if par.dp > 1:
+            loss = _sum_over(loss * rows[2], mesh.dp_group) / par.dp
+        if step == first:
+            mem = _measure(run)
+        run.optimizer.zero_grad()
+        step_times.append(clock.stop())
+        losses.append(loss)
+        if report and mesh.rank == 0:
+            report(loss, global_batch * cfg.seq_len / step_times[-1])
+        # the checkpoint, every save_every steps (0: at the end) and at the end
+        if save and ((step + 1) % (save_every or steps) == 0 or step + 1 == steps):
+            _checkpoint(run, mesh, cfg, step + 1, save)
+    sent, calls = dict(stats.bytes_sent), dict(stats.calls)  # the training's, not the gather below
     mem["activations"] = meter.peak
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
         mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
-    timeline = timeline or (dp.timeline if dp else [])
-    if par.zero == 3 and return_state:
-        optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
+    state = _final_weights(run, mesh) if return_state else None
     run.close()
-    state = None
-    if return_state:  # the single-device weights; with tp > 1 every rank of the group takes part
-        state = full_state_dict(model, tp) if tp else \
-            {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        state = {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}  # each stage's
-    return dict(losses=losses, step_times=step_times, memory=mem, comm=dict(sent.bytes_sent),
-                calls=dict(sent.calls), timeline=timeline, device=device, state=state if mesh.rank == 0 else None)
+    timeline = timeline or (run.dp.timeline if run.dp else [])
+    return RankResult(losses, step_times, mem, sent, calls, timeline, device,
+                      state if mesh.rank == 0 else None)
+
+
+def train_layouts(layouts: list, *, around=None, **common) -> list[RankResult]:
+    """Train one layout after the other in this one job, each building its own grid and groups:
+    every layout of `layouts` (a ParallelConfig, or a dict of train_rank's keyword arguments: par
+    and any of the others) with `common`, the keyword arguments they share. Returns their
+    RankResults, in order (what tests' `assert_same_training` compares with the single-process run).
+
+    Why: on a small CPU a launch costs about a second a rank, a tiny model's step a few
+    milliseconds; one launch for many layouts. around(i, train), if given, runs layout i: it calls
+    train() (which trains it and returns its RankResult) between whatever it measures around it, and
+    returns that result (the calibration's probes and clocks, planner/calibrate.run_layouts)."""
+    out = []
+    for i, layout in enumerate(layouts):
+        job = {**common, **(layout if isinstance(layout, dict) else dict(par=layout))}
+        run = lambda job=job: train_rank(**job)  # noqa: E731
+        out.append(around(i, run) if around else run())
+    return out
+
+
+def _checkpoint(run: Parallel, mesh, cfg, steps_done: int, path: str) -> None:
+    """Gather the checkpoint after `steps_done` steps (a collective) and write it (rank 0)."""
+    state = checkpoint.gather(run.model, run.optimizer, run.mp, run.tp, mesh.pp_group, steps_done,
+                              cfg)
+    if state:  # rank 0
+        checkpoint.save(state, path)
+
+
+def _device() -> str:
+    """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+
+
+def _rows(par, mesh, global_batch: int) -> tuple[int, int, float]:
+    """(start, count, weight): this DP rank's rows [start, start + count) of the global batch
+    (uneven with par.dp_shares). Its loss is the mean over its rows; DP averages gradients over the
+    dp ranks, so weighting the loss by count / global_batch * dp makes that average the mean over
+    the global batch (1.0 when even)."""
+    shares = par.dp_rows(global_batch)
+    start, count = sum(shares[:mesh.dp_rank]), shares[mesh.dp_rank]
+    return start, count, count * par.dp / global_batch
+
+
+def _forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_compute):
+    """Forward and backward of this rank's micro-batches of (x, y); returns (the loss summed over
+    them, the pipeline's timeline of the step or None). rows: `_rows`."""
+    start, count, weight = rows
+    if not run.pipe:
+        return _accumulate(run, x, y, par, rows, device, meter, after_compute), None
+    batches = [[dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
+                for mb in range(par.microbatches)] for t in (x, y)]
+    with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
+        scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * weight
+        loss_sum, timeline = run.pipe.step(*batches, loss_scale=scale)
+    return _sum_over(loss_sum, mesh.pp_group), timeline  # the last stage has it, the others 0
+
+
+def _final_weights(run: Parallel, mesh) -> dict:
+    """The single-device weights (collective: with tp > 1 every rank of the group takes part, with
+    ZeRO-3 every rank gathers; every stage sends its share)."""
+    if isinstance(run.optimizer, Zero3):
+        run.optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
+    state = full_state_dict(run.model, run.tp) if run.tp else \
+        {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
+    return {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}
 
 
 def _predicted(cfg, par, global_batch) -> list[dict] | None:
@@ -206,31 +267,34 @@ def _predicted(cfg, par, global_batch) -> list[dict] | None:
         return None
 
 
-def _measure(model, optimizer, dp, mp) -> dict[str, int]:
+def _measure(run: Parallel) -> dict[str, int]:
     """This rank's persistent memory by category (activations are filled in at the end)."""
+    optimizer = run.optimizer
     if isinstance(optimizer, (ZeroOptimizer, Zero3)):
         return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors(),
                               comm=optimizer.comm_bytes)
-    return {**mp.measure(optimizer), "activations": 0, "comm": dp.comm_buffer_bytes if dp else 0}
+    buckets = run.dp.comm_buffer_bytes if run.dp else 0
+    return {**run.mp.measure(optimizer), "activations": 0, "comm": buckets}
 
 
-def _accumulate(model, x, y, par, rows, device, mp, dp, meter, loss_fn, weight=1.0, slowdown=1.0) -> float:
+def _accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None) -> float:
     """Forward and backward of this rank's micro-batches one after the other; returns the summed loss.
-    rows: (start, count) of this DP rank's rows; the backward runs on loss * weight (see train_rank)."""
-    loss_sum = 0.0
+    rows: `_rows`; the backward runs on loss * weight (see `_rows`)."""
+    start, count, weight = rows
+    mp, dp, loss_sum = run.mp, run.dp, 0.0
     for mb in range(par.microbatches):
-        xb = dataset.shard_rows(x, *rows, mb, par.microbatches).to(device)
-        yb = dataset.shard_rows(y, *rows, mb, par.microbatches).to(device)
+        xb = dataset.shard_rows(x, start, count, mb, par.microbatches).to(device)
+        yb = dataset.shard_rows(y, start, count, mb, par.microbatches).to(device)
         last = mb == par.microbatches - 1
         t0 = time.perf_counter()
         with meter, mp.autocast():
-            loss = loss_fn(model(xb), yb) / par.microbatches
+            loss = run.loss_fn(run.model(xb), yb) / par.microbatches
         t1 = time.perf_counter()
         with dp.no_sync() if dp and not last else contextlib.nullcontext():
             mp.scale(loss * weight if weight != 1.0 else loss).backward()
         meter.release()
-        if slowdown > 1.0:  # the synthetic throttle (train_rank's slow_ranks)
-            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+        if after_compute:
+            after_compute(time.perf_counter() - t0)
         if dp:  # the compute half of the timeline; dp records the communication
             dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
         loss_sum += loss.item()
@@ -243,6 +307,7 @@ class _Clock:
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
+        self.begin = None  # the step's start: a CUDA event, or perf_counter seconds
 
     def start(self) -> None:
         if self.cuda:
@@ -273,7 +338,7 @@ class ProgressBar:
     TAG = "minipar-progress:"
 
     def __init__(self, steps: int, show: bool, on_step=None):
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # not a minipar module: only where a bar is drawn
         self.bar = tqdm(total=steps, desc="train", mininterval=0.5) if show else None
         self.on_step = on_step
 

@@ -125,14 +125,15 @@ class _Shard:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _overflowed(shards: list, scaler, group) -> bool:
+def _overflowed(shards: list, scaler, group, stats: comm.CommStats | None) -> bool:
     """fp16: whether any rank's gradient shard holds an inf or nan (then every rank skips the step),
     and the loss scaler told. Without a scaler (fp32, bf16) never."""
     if scaler is None:
         return False
     flag = (~torch.stack([torch.isfinite(s.grads).all() for s in shards]).all()).float().reshape(1)
     if _group_size_rank(group)[0] > 1:  # one float: the ranks must agree, each sees only its shard
-        comm.record("overflow_flag", 4, 1)
+        if stats is not None:
+            stats.record("overflow_flag", 4, 1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     scaler.update(bool(flag.item()))
     return bool(flag.item())
@@ -143,27 +144,35 @@ def _group_size_rank(group) -> tuple[int, int]:
     return (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
 
 
-def _reduce_scatter(tensor: torch.Tensor, group, collectives: str) -> torch.Tensor:
+def _reduce_scatter(tensor: torch.Tensor, group, ops: comm.Collectives) -> torch.Tensor:
     """My shard of the sum of `tensor` over the group (its length divides by the group size)."""
     n, _ = _group_size_rank(group)
-    return tensor if n == 1 else comm.IMPLEMENTATIONS[collectives].reduce_scatter(tensor, group)
+    return tensor if n == 1 else ops.reduce_scatter(tensor, group)
 
 
-def _all_gather(shard: torch.Tensor, group, collectives: str) -> torch.Tensor:
+def _all_gather(shard: torch.Tensor, group, ops: comm.Collectives) -> torch.Tensor:
     """Every rank's shard, concatenated in rank order."""
     n, _ = _group_size_rank(group)
-    return shard if n == 1 else comm.IMPLEMENTATIONS[collectives].all_gather(shard, group)
+    return shard if n == 1 else ops.all_gather(shard, group)
 
 
 class ZeroOptimizer:
-    """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after backward (it syncs gradients too)."""
+    """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after backward (it syncs gradients
+    too).
+
+    dtype, master: the parameters' dtype, and whether to keep fp32 master shards (mixed precision);
+    scaler: fp16's LossScaler, whose scale multiplied the loss (None otherwise); stats: the
+    CommStats that counts what it sends (None: not counted)."""
 
     def __init__(self, model: torch.nn.Module, group=None, stage: int = 1, lr: float = 1e-3,
                  weight_decay: float = 0.0, betas=(0.9, 0.95), collectives: str = "minipar",
-                 dtype=torch.float32, master: bool = False):
+                 dtype=torch.float32, master: bool = False, scaler=None,
+                 stats: comm.CommStats | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, got {stage!r}")
         self.group, self.stage, self.collectives = group, stage, collectives
+        self.scaler, self.stats = scaler, stats
+        self.ops = comm.implementation(collectives, stats, comm.Scratch())
         self.size, rank = _group_size_rank(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layout = _Flat(self.params, self.size, rank)
@@ -173,7 +182,6 @@ class ZeroOptimizer:
         self.layout.point_params_at(self.flat)
         self.mine = _Shard(self.layout, self.flat[lo:hi], fp32[lo:hi].clone() if master else None,
                            lr, weight_decay, betas)
-        self.scaler = None  # fp16: the caller's LossScaler, whose scale multiplied the loss
 
     def step(self) -> None:
         """Average the gradients into my shard, update my shard, all-gather the parameters."""
@@ -181,13 +189,13 @@ class ZeroOptimizer:
         if self.stage == 2:  # keep only the shard: the full gradient goes as soon as it is reduced
             for p in self.params:
                 p.grad = None
-        self.mine.grads.copy_(_reduce_scatter(grads, self.group, self.collectives)).div_(self.size)
+        self.mine.grads.copy_(_reduce_scatter(grads, self.group, self.ops)).div_(self.size)
         del grads
         scale = self.scaler.scale if self.scaler else 1.0  # read before an overflow backs it off
-        if _overflowed([self.mine], self.scaler, self.group):
+        if _overflowed([self.mine], self.scaler, self.group, self.stats):
             return  # fp16 overflow: nothing changed, nothing to gather
         self.mine.update(scale)
-        self.flat.copy_(_all_gather(self.mine.params, self.group, self.collectives))
+        self.flat.copy_(_all_gather(self.mine.params, self.group, self.ops))
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -242,19 +250,23 @@ class _Unit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def gather(self, group, collectives: str) -> None:
+    def gather(self, group, ops: comm.Collectives) -> None:
         """Refill the full buffer with every rank's shard (runs on the communication thread)."""
-        gathered = _all_gather(self.mine.params, group, collectives)
+        gathered = _all_gather(self.mine.params, group, ops)
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         self.full.copy_(gathered)
 
 
 class Zero3:
-    """ZeRO stage 3 over `group`: shards `model` in place; call `step()` after backward."""
+    """ZeRO stage 3 over `group`: shards `model` in place; call `step()` after backward.
+    dtype, master, scaler, stats: as ZeroOptimizer's."""
 
     def __init__(self, model: torch.nn.Module, group=None, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas=(0.9, 0.95), collectives: str = "minipar", dtype=torch.float32, master: bool = False):
-        self.group, self.collectives = group, collectives
+                 betas=(0.9, 0.95), collectives: str = "minipar", dtype=torch.float32,
+                 master: bool = False, scaler=None, stats: comm.CommStats | None = None):
+        self.group, self.collectives, self.scaler, self.stats = group, collectives, scaler, stats
+        self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
+        self.ops = comm.implementation(collectives, stats, self.scratch)
         self.size, rank = _group_size_rank(group)
         # units in forward order: the model's children, a ModuleList counting as its members
         modules = [m for child in model.children()
@@ -262,7 +274,6 @@ class Zero3:
         self.units = [_Unit(m, self.size, rank, dtype, master, lr, weight_decay, betas)
                       for m in modules if any(p.requires_grad for p in m.parameters())]
         self.gathered_bytes = self.peak_gathered_bytes = 0
-        self.scaler = None  # fp16: the caller's LossScaler, whose scale multiplied the loss
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
@@ -275,7 +286,7 @@ class Zero3:
     def _start_gather(self, i: int) -> None:
         unit = self.units[i]
         if not unit.gathered and unit.gathering is None:
-            unit.gathering = self._comm.submit(unit.gather, self.group, self.collectives)
+            unit.gathering = self._comm.submit(unit.gather, self.group, self.ops)
             self.gathered_bytes += unit.mine.params.numel() * self.size * unit.mine.params.element_size()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -321,7 +332,7 @@ class Zero3:
             p.grad = None
         # on the communication thread, after any gather queued before it: every collective of a
         # rank must run in one order, the same on all ranks
-        unit.reducing.append(self._comm.submit(_reduce_scatter, grads, self.group, self.collectives))
+        unit.reducing.append(self._comm.submit(_reduce_scatter, grads, self.group, self.ops))
         self._free(i)
 
     # ------------------------------------------------------------------------- optimizer interface
@@ -332,9 +343,9 @@ class Zero3:
             unit.reducing.clear()
             unit.mine.grads = sum(reduced[1:], reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
             unit.mine.grads.div_(self.size)
-        self._comm.submit(comm.release_scratch).result()  # the ring's receive space, until next backward
+        self._comm.submit(self.scratch.release).result()  # free it, until the next backward
         scale = self.scaler.scale if self.scaler else 1.0
-        if _overflowed([u.mine for u in self.units], self.scaler, self.group):
+        if _overflowed([u.mine for u in self.units], self.scaler, self.group, self.stats):
             return
         for unit in self.units:
             unit.mine.update(scale)

@@ -12,11 +12,6 @@ GRAD_BYTES = 4 * TINY.num_params
 SMALL_BUCKET = 0.1             # MiB: several buckets for the tiny model (0.83 MiB of gradients)
 
 
-class Run:  # the bits of a TrainResult that assert_same_training reads
-    def __init__(self, rank0):
-        self.losses, self.state_dict = rank0["losses"], rank0["state"]
-
-
 @pytest.fixture(scope="module")
 def reference():
     return minipar.train(TINY, steps=STEPS, global_batch=BATCH, lr=1e-3, weight_decay=0.1, return_state=True)
@@ -38,16 +33,16 @@ def test_every_variant_equals_the_single_process_run(dp, reference):
     cases = variants(dp)
     ranks = minipar.launch(workers_dp.train_variants, dp, TINY, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
-        assert_same_training(Run(ranks[0][i]), reference), par
+        assert_same_training(ranks[0][i], reference), par
         for rank in ranks:  # every replica holds the same losses
-            assert rank[i]["losses"] == ranks[0][i]["losses"]
+            assert rank[i].losses == ranks[0][i].losses
         if dp > 1 and par.collectives == "minipar":
             # bytes: the ring sends 2(N-1)/N of the gradient bytes per step, whatever the bucketing,
             # up to the uneven split: at most one element per ring step of each all-reduce
             expected = STEPS * 2 * (dp - 1) * GRAD_BYTES / dp
             for rank in ranks:
-                remainder = rank[i]["calls"]["all_reduce"] * 2 * (dp - 1) * 4
-                assert abs(rank[i]["comm"]["all_reduce"] - expected) <= remainder
+                remainder = rank[i].calls["all_reduce"] * 2 * (dp - 1) * 4
+                assert abs(rank[i].comm["all_reduce"] - expected) <= remainder
 
 
 def test_collective_counts():
@@ -58,14 +53,14 @@ def test_collective_counts():
              ParallelConfig(dp=2, dp_mode="bucketed", bucket_mb=SMALL_BUCKET, microbatches=3),
              ParallelConfig(dp=2, dp_mode="naive", collectives="torch", microbatches=3)]
     ranks = minipar.launch(workers_dp.train_variants, 2, TINY, cases, STEPS, BATCH, timeout=120)
-    calls = [r["calls"] for r in ranks[0]]
+    calls = [r.calls for r in ranks[0]]
     assert calls[0] == {"all_reduce": STEPS * tensors}                 # one per parameter per step
     buckets = calls[1]["all_reduce"] // STEPS
     assert buckets * SMALL_BUCKET * 2**20 >= GRAD_BYTES > (buckets - 1) * SMALL_BUCKET * 2**20 * 0.5
     assert calls[2] == {"all_reduce": STEPS}                           # one bucket holds the model
     assert calls[3] == {"all_reduce": STEPS * buckets}                 # no all-reduce on micro-steps 1, 2
     assert calls[4] == {"torch_all_reduce": STEPS * tensors}
-    assert ranks[0][1]["memory"]["comm"] == GRAD_BYTES                 # the buckets hold one gradient copy
+    assert ranks[0][1].memory["comm"] == GRAD_BYTES                # the buckets: one gradient copy
 
 
 def test_dp_through_train_and_the_cli(tmp_path, capsys):

@@ -47,16 +47,17 @@ def test_predicted_equals_measured(dp):
     cases = variants(dp) + [ParallelConfig(dp=dp, dp_mode="naive")]
     ranks = minipar.launch(workers_dp.train_variants, dp, ODD, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
-        check(ODD, par, [r[i]["memory"] for r in ranks])
+        check(ODD, par, [r[i].memory for r in ranks])
         predicted = memory.predict_traffic(ODD, par)
         for r in ranks:
-            sent = {k: v / STEPS for k, v in r[i]["comm"].items()}
+            sent = {k: v / STEPS for k, v in r[i].comm.items()}
             if par.precision != "fp32":
                 continue  # predict_traffic counts fp32 bytes
             if par.zero:  # the ZeRO collectives are exact: every buffer divides by dp
                 assert sent == predicted, par.label
             else:  # a ring all-reduce of a length not divisible by dp: a few elements more or less
-                assert abs(sent["all_reduce"] - predicted["all_reduce"]) <= 4 * r[i]["calls"]["all_reduce"]
+                slack = 4 * r[i].calls["all_reduce"]
+                assert abs(sent["all_reduce"] - predicted["all_reduce"]) <= slack
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

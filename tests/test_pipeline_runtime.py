@@ -9,8 +9,8 @@ from reference import rel_diff
 import minipar
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.pipeline.runtime import (
+    Chunk,
     PipelineExecutor,
-    build_chunk,
     free_unused,
     message_order,
     partition,
@@ -163,7 +163,7 @@ def test_chunks_hold_the_gpt_modules_and_compose_to_it():
     idx = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
     expected = model(idx)
     layers = partition(TINY.n_layer, 3)
-    chunks = [build_chunk(model, r, k == 0, k == 2) for k, r in enumerate(layers)]
+    chunks = [Chunk(model, r, k == 0, k == 2) for k, r in enumerate(layers)]
     x = idx
     for chunk in chunks:
         x = chunk(x)
@@ -181,7 +181,7 @@ def test_bad_schedules_are_refused():
         message_order([[A("F", 0, 0), A("B", 0, 0)], [A("B", 1, 0), A("F", 1, 0)]], 2)
     torch.manual_seed(0)
     model = GPT(TINY)
-    chunks = {0: build_chunk(model, range(4), True, True)}
+    chunks = {0: Chunk(model, range(4), True, True)}
     with pytest.raises(ValueError, match="every F and B"):
         PipelineExecutor(chunks, [[A("F", 0, 0)]], (1, TINY.seq_len, TINY.d_model))
     with pytest.raises(ValueError, match="holds chunks"):

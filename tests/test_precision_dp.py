@@ -34,10 +34,10 @@ def test_data_parallel_matches_the_single_process_run_in_16_bits(dp, references)
     ranks = minipar.launch(workers_dp.train_variants, dp, TINY, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
         got, ref = ranks[0][i], references[par.precision]
-        assert max(abs(a - b) / b for a, b in zip(got["losses"], ref.losses)) < 1e-4, par.label
-        assert rel_diff(flat(got["state"]), flat(ref.state_dict)) < 2e-3, par.label
+        assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4, par.label
+        assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 2e-3, par.label
         assert all(v.dtype == torch.bfloat16 if par.precision != "fp16" else v.dtype == torch.float16
-                   for v in got["state"].values())
+                   for v in got.state_dict.values())
 
 
 @pytest.mark.parametrize("precision,per_param", [("fp32", (4, 4, 8)), ("bf16", (2, 2, 12)),
@@ -60,11 +60,11 @@ def test_zero_in_16_bits_matches_the_single_process_run(dp, references):
     ranks = minipar.launch(workers_dp.train_variants, dp, TINY, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
         got, ref = ranks[0][i], references[par.precision]
-        assert max(abs(a - b) / b for a, b in zip(got["losses"], ref.losses)) < 1e-4, par.label
-        assert rel_diff(flat(got["state"]), flat(ref.state_dict)) < 5e-3, par.label
+        assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4, par.label
+        assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 5e-3, par.label
         shard = -(-TINY.num_params // dp) * 2  # bytes of a 16-bit shard (one flat buffer, stages 1, 2)
         if par.zero < 3:
-            assert got["comm"].items() >= {"reduce_scatter": STEPS * (dp - 1) * shard,
+            assert got.comm.items() >= {"reduce_scatter": STEPS * (dp - 1) * shard,
                                            "all_gather": STEPS * (dp - 1) * shard}.items()
 
 
@@ -83,10 +83,10 @@ def test_reducing_16_bit_gradients_halves_the_bytes(precision, references):
     cases = [ParallelConfig(dp=3, precision=precision, reduce_fp32=r) for r in (True, False)]
     ranks = minipar.launch(workers_dp.train_variants, 3, TINY, cases, STEPS, BATCH, timeout=120)
     fp32_sum, half_sum = ranks[0]
-    assert half_sum["comm"]["all_reduce"] * 2 == pytest.approx(fp32_sum["comm"]["all_reduce"], rel=1e-4)
+    assert half_sum.comm["all_reduce"] * 2 == pytest.approx(fp32_sum.comm["all_reduce"], rel=1e-4)
     ref = references[precision]
     for got in (fp32_sum, half_sum):
-        assert max(abs(a - b) / b for a, b in zip(got["losses"], ref.losses)) < 1e-4
-        assert rel_diff(flat(got["state"]), flat(ref.state_dict)) < 2e-3
+        assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4
+        assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 2e-3
     with pytest.raises(ValueError, match="reduce_fp32=False needs precision"):
         ParallelConfig(reduce_fp32=False)

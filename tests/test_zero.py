@@ -3,7 +3,6 @@
 import pytest
 import workers_dp
 from reference import assert_same_training
-from test_data_parallel import Run
 
 import minipar
 from minipar import GPTConfig, ParallelConfig
@@ -24,7 +23,7 @@ def test_every_stage_equals_the_single_process_run(dp, reference):
         cases += [ParallelConfig(dp=dp, zero=2, microbatches=2), ParallelConfig(dp=dp, zero=3, microbatches=2)]
     ranks = minipar.launch(workers_dp.train_variants, dp, ODD, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
-        assert_same_training(Run(ranks[0][i]), reference), par
+        assert_same_training(ranks[0][i], reference), par
 
 
 def shard_bytes(sizes: list[int], n: int, rank: int) -> dict:

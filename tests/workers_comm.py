@@ -40,9 +40,10 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _measure(run):
-    """Run one minipar collective inside `comm.count()`; return its output and what it sent."""
-    with comm.count() as stats:
-        out = run()
+    """Run one minipar collective, `run(stats)`, counting into a fresh CommStats; return its output
+    and what it sent."""
+    stats = comm.CommStats()
+    out = run(stats)
     return out, dict(stats.bytes_sent), dict(stats.calls)
 
 
@@ -67,7 +68,7 @@ def all_reduce_case(shape, dname, tag, group=None, strided=False) -> dict:
         x = mine.clone()
     ref = mine.clone()
     dist.all_reduce(ref, group=group)
-    out, sent, calls = _measure(lambda: comm.all_reduce(x, group))
+    out, sent, calls = _measure(lambda stats: comm.all_reduce(x, group, stats))
     res = {"vs_torch": error(x, ref), "vs_exact": error(x, _exact_sum(inputs)), "bytes": sent,
            "calls": calls, "in_place": out is x, "contiguous": x.is_contiguous()}
     if strided:
@@ -80,7 +81,7 @@ def broadcast_case(shape, dname, tag, src, group=None) -> dict:
     x = make_input(dist.get_rank(), shape, dname, tag)
     ref = x.clone()
     dist.broadcast(ref, src, group=group)
-    out, sent, calls = _measure(lambda: comm.broadcast(x, src, group))
+    out, sent, calls = _measure(lambda stats: comm.broadcast(x, src, group, stats=stats))
     return {"vs_torch": error(x, ref), "vs_exact": error(x, make_input(src, shape, dname, tag)),
             "bytes": sent, "calls": calls, "in_place": out is x}
 
@@ -93,7 +94,7 @@ def all_gather_case(shape, dname, tag, group=None) -> dict:
     parts = [torch.empty_like(x) for _ in ranks]
     dist.all_gather(parts, x, group=group)
     ref = torch.cat(parts) if x.dim() else torch.stack(parts)
-    out, sent, calls = _measure(lambda: comm.all_gather(x, group))
+    out, sent, calls = _measure(lambda stats: comm.all_gather(x, group, stats))
     exact = torch.cat(inputs) if x.dim() else torch.stack(inputs)
     return {"vs_torch": error(out, ref), "vs_exact": error(out, exact), "bytes": sent, "calls": calls,
             "input_kept": torch.equal(x, inputs[ranks.index(dist.get_rank())])}
@@ -112,7 +113,7 @@ def reduce_scatter_case(shape, dname, tag, group=None) -> dict:
         total = x.clone()
         dist.all_reduce(total, group=group)
         ref = torch.tensor_split(total, n)[me]
-    out, sent, calls = _measure(lambda: comm.reduce_scatter(x, group))
+    out, sent, calls = _measure(lambda stats: comm.reduce_scatter(x, group, stats))
     return {"vs_torch": error(out, ref), "vs_exact": error(out, torch.tensor_split(_exact_sum(inputs), n)[me]),
             "bytes": sent, "calls": calls, "input_kept": torch.equal(x, inputs[me])}
 

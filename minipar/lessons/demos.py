@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from minipar import comm, data
-from minipar.data_parallel import DataParallel
-from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.train import make_optimizer
+from minipar.data_parallel import DataParallelBucket, DataParallelNaive
+from minipar.model import GPT, MLP, GPTConfig, cross_entropy
+from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from minipar.train import make_optimizer, train_layouts
+from minipar.zero import Zero3
 
 
 def _device() -> torch.device:
@@ -127,10 +131,10 @@ def count_bytes(lengths: list[int]) -> list[dict]:
     out = []
     for length in lengths:
         x = torch.ones(length, device=_device())
-        with comm.count() as stats:
-            comm.all_reduce(x)
-            comm.reduce_scatter(x)
-            comm.all_gather(x)
+        stats = comm.CommStats()  # counts what the calls it is handed to send
+        comm.all_reduce(x, stats=stats)
+        comm.reduce_scatter(x, stats=stats)
+        comm.all_gather(x, stats=stats)
         out.append(dict(stats.bytes_sent))
     return out
 
@@ -143,7 +147,9 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
     can stall a rank for a scheduler tick (4 ms) in any repetition. Returns {"minipar": [...],
     "<backend>": [...]}, one entry per size.
     """
-    impls = {"minipar": comm.all_reduce, dist.get_backend(): dist.all_reduce}
+    scratch = comm.Scratch()  # the ring's receive space, kept between calls as training keeps it
+    ring = lambda x: comm.all_reduce(x, scratch=scratch)  # noqa: E731
+    impls = {"minipar": ring, dist.get_backend(): dist.all_reduce}
     times = {name: [] for name in impls}
     for size in sizes:
         x = torch.ones(size // 4, device=_device())
@@ -166,10 +172,10 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
 DP_VARIANTS = {  # name -> what trains one step; every variant sees the same weights and the same batch
     "local": "no gradient sync at all: the compute alone, the floor the others approach",
     "ddp": "torch.nn.parallel.DistributedDataParallel, bucket_cap_mb = bucket_mb",
-    "bucketed/minipar": "minipar DataParallel, bucketed, minipar's ring on a communication thread",
-    "bucketed/torch": "minipar DataParallel, bucketed, the backend's async all-reduce",
-    "naive/minipar": "minipar DataParallel, one ring all-reduce per parameter after backward",
-    "naive/torch": "minipar DataParallel, one backend all-reduce per parameter after backward",
+    "bucketed/minipar": "minipar DataParallelBucket, minipar's ring on a communication thread",
+    "bucketed/torch": "minipar DataParallelBucket, the backend's async all-reduce",
+    "naive/minipar": "minipar DataParallelNaive, one ring all-reduce per parameter after backward",
+    "naive/torch": "minipar DataParallelNaive, one backend all-reduce per parameter after backward",
 }
 
 
@@ -182,7 +188,7 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     step of each variant, starting at a different one each time; each step starts at a barrier and
     covers forward, backward, gradient sync, optimizer step. threads: intra-op threads per rank (None
     keeps launch's choice). Returns this rank's {"step": {variant: [seconds per repetition]},
-    "sync": {variant: [seconds in DataParallel.finish(): communication that backward did not hide]},
+    "sync": {variant: [seconds in finish(): communication that backward did not hide]},
     "grad_diff": {variant: relative norm difference of its first averaged gradients from DDP's},
     "tokens": tokens this rank trains on per step}.
     """
@@ -192,18 +198,7 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
     x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
     x, y = data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
-    runs = {}
-    for name in variants:
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device)
-        wrapped, sync = model, None
-        if name == "ddp":
-            ids = [device.index] if device.type == "cuda" else None
-            wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
-        elif name != "local":
-            mode, collectives = name.split("/")
-            sync = DataParallel(model, None, mode, int(bucket_mb * 2**20), collectives)
-        runs[name] = (wrapped, model, sync, make_optimizer(model, 1e-3, 0.0))
+    runs = {name: _dp_variant(name, cfg, device, bucket_mb) for name in variants}
     step, wait, grads = ({name: [] for name in variants} for _ in range(3))
     for i in range(warmup + reps):
         k = i % len(variants)
@@ -235,6 +230,21 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     return {"step": step, "sync": wait, "grad_diff": diff, "tokens": per_rank_batch * cfg.seq_len}
 
 
+def _dp_variant(name: str, cfg, device, bucket_mb: float) -> tuple:
+    """(what forward runs on, the model, its gradient sync or None, AdamW) of a DP_VARIANTS name."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    wrapped, sync = model, None
+    if name == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
+    elif name != "local":
+        mode, collectives = name.split("/")  # the naive one, or the bucketed one
+        sync = DataParallelNaive(model, None, collectives) if mode == "naive" else \
+            DataParallelBucket(model, None, int(bucket_mb * 2**20), collectives)
+    return wrapped, model, sync, make_optimizer(model, 1e-3, 0.0)
+
+
 def slowest_rank(by_rank: list[dict], key: str = "step") -> dict[str, list[float]]:
     """From `compare_ddp`'s results by rank: {variant: each repetition's time on its slowest rank}."""
     return {name: [max(ts) for ts in zip(*(r[key][name] for r in by_rank))] for name in by_rank[0][key]}
@@ -244,19 +254,12 @@ def slowest_rank(by_rank: list[dict], key: str = "step") -> dict[str, list[float
 
 
 def zero_memory(cfg, variants: list, steps: int = 2, global_batch: int = 8) -> list[dict]:
-    """Train `cfg` under each ParallelConfig of `variants` (all of this world's dp) in this one job.
-
-    Returns, per variant, this rank's {"memory": {category: bytes}, "comm": {collective: bytes sent},
-    "calls": {collective: calls}} as `minipar.train` measures them. One launch for many layouts: a
-    launch costs about a second a rank on a small CPU, the tiny model's steps a few milliseconds.
+    """Train `cfg` under each ParallelConfig of `variants` (all of this world's dp) in this one job
+    (`train_layouts`). Returns, per variant, this rank's RankResult: .memory {category: bytes},
+    .comm {collective: bytes sent}, .calls {collective: calls}, as `minipar.train` measures them.
     Runs in the caller's process too when every variant has dp = 1.
     """
-    from minipar.train import train_rank
-    out = []
-    for par in variants:
-        r = train_rank(cfg, par, steps, global_batch, 1e-3, 0.0, 0, "synthetic", False)
-        out.append({"memory": r["memory"], "comm": r["comm"], "calls": r["calls"]})
-    return out
+    return train_layouts(variants, cfg=cfg, steps=steps, global_batch=global_batch)
 
 
 def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar") -> dict:
@@ -271,7 +274,6 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar
      "waits": [(unit, start, end)] time blocked in _gather, "phases": [(what, start, end)] for
      forward, backward and step, "peak": Zero3.peak_gathered_bytes}; times in perf_counter seconds.
     """
-    from minipar.zero import Zero3
     cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -314,18 +316,15 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar
 def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
     """The MLP, fc column-parallel and proj row-parallel over this world, on one input, with and without SP.
 
-    Every rank builds the single-device MLP and the same input x and upstream gradient dy from `seed`
-    (the reference, computed locally), cuts its blocks, and runs forward and backward, each pass inside
-    its own `comm.count()`. Returns {"partial": Z_r = GeLU(x A_r) B_r, this rank's part before g (no
-    bias), "partial_grad": dx through this rank's blocks alone, before f's all-reduce, "bias": B's bias,
-    added once after g, and for sp in (False, True) {"out", "grad": what the parallel layers give,
-    "ref", "ref_grad": the single-device ones (with SP: this rank's tokens of each), "forward",
-    "backward": {collective: calls}, "forward_bytes", "backward_bytes": {collective: bytes sent}}}.
+    Every rank builds the single-device MLP and the same input x and upstream gradient dy from
+    `seed` (the reference, computed locally), cuts its blocks, and runs forward and backward, the TP
+    group counting into a CommStats (each pass's counts told apart). Returns {"partial": Z_r =
+    GeLU(x A_r) B_r, this rank's part before g (no bias), "partial_grad": dx through this rank's
+    blocks alone, before f's all-reduce, "bias": B's bias, added once after g, and for sp in (False,
+    True) {"out", "grad": what the parallel layers give, "ref", "ref_grad": the single-device ones
+    (with SP: this rank's tokens of each), "forward", "backward": {collective: calls},
+    "forward_bytes", "backward_bytes": {collective: bytes sent}}}.
     """
-    import torch.nn.functional as F
-
-    from minipar.model import MLP
-    from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
     torch.set_num_threads(1)
     cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
     torch.manual_seed(seed)
@@ -340,14 +339,15 @@ def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
     partial.backward(dy)
     out = dict(partial=partial.detach(), partial_grad=xp.grad, bias=full.proj.bias.detach())
     for sp in (False, True):
-        tp = TPGroup.of(None, sp)
+        stats = comm.CommStats()  # what the group sends: forward's, then forward's and backward's
+        tp = TPGroup.of(None, sp, stats=stats)
         seq = (lambda a: a.tensor_split(tp.size, 1)[tp.rank]) if sp else (lambda a: a)  # this rank's tokens
         fc, proj = ColumnParallelLinear(full.fc, tp), RowParallelLinear(full.proj, tp)
         xr = seq(x).clone().requires_grad_()
-        with comm.count() as fwd:
-            y = proj(F.gelu(fc(xr), approximate="tanh"))
-        with comm.count() as bwd:
-            y.backward(seq(dy))
+        y = proj(F.gelu(fc(xr), approximate="tanh"))
+        fwd = comm.CommStats(Counter(stats.bytes_sent), Counter(stats.calls))
+        y.backward(seq(dy))
+        bwd = comm.CommStats(stats.bytes_sent - fwd.bytes_sent, stats.calls - fwd.calls)
         if not sp:
             _in_turn(f"Z_r[0, 0, :4] = {[round(v, 4) for v in partial[0, 0, :4].tolist()]}   after g, + bias: "
                      f"{[round(v, 4) for v in y[0, 0, :4].tolist()]}")
@@ -360,16 +360,10 @@ def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
 # ----------------------------------------------------------------------------- lesson 05
 
 
-def pipeline_runs(cfg, runs: list, steps: int = 1) -> list[dict]:
-    """Train `cfg` under each (ParallelConfig, global_batch) of `runs` (all of this world's pp) in this one job,
-    with what `minipar.train` runs on every rank (`train_rank`): one launch for many layouts, as `zero_memory`.
-
-    Returns, per run, this rank's {"activations": peak bytes saved for backward, "timeline": the last step's
-    [(Action, start, end)] in perf_counter seconds, "losses": the global loss of each step}.
+def pipeline_runs(cfg, runs: list, steps: int = 1) -> list:
+    """Train `cfg` under each (ParallelConfig, global_batch) of `runs` (all of this world's pp) in
+    this one job (`train_layouts`, as `zero_memory`). Returns, per run, this rank's RankResult:
+    .memory["activations"] the peak bytes saved for backward, .timeline the last step's [(Action,
+    start, end)] in perf_counter seconds, .losses the global loss of each step.
     """
-    from minipar.train import train_rank
-    out = []
-    for par, global_batch in runs:
-        r = train_rank(cfg, par, steps, global_batch, 1e-3, 0.0, 0, "synthetic", False)
-        out.append({"activations": r["memory"]["activations"], "timeline": r["timeline"], "losses": r["losses"]})
-    return out
+    return train_layouts([dict(par=par, global_batch=b) for par, b in runs], cfg=cfg, steps=steps)

@@ -6,7 +6,8 @@ layers, and DP ranks rows of the global batch, in proportion to their speed (pla
 runs such a plan as `ParallelConfig(stage_layers=..., dp_shares=...)`, still equal to the single-process
 run (the DP gradient average is weighted by the shares, train.py).
 
-The throttle is stated and synthetic: train_rank's `slow_ranks={rank: factor}`. After each micro-batch's
+The throttle is stated and synthetic, and lives here: `throttle(factor)`, the `after_compute` hook
+this demo hands to train_rank for the ranks of `slow_ranks={rank: factor}`. After each micro-batch's
 forward and backward, or each pipeline action, a throttled rank sleeps (factor - 1) times what that
 compute took, so it computes like a device `factor` times slower. It stands in for a slower GPU; what
 is slowed is the forward and backward (with the TP or ZeRO-3 collectives inside them, if any), not the
@@ -21,12 +22,15 @@ ranks each rank has one thread already.
 from __future__ import annotations
 
 import statistics
+import time
+
+import torch.distributed as dist
 
 from minipar.config import ParallelConfig
 from minipar.launch import launch
 from minipar.planner import estimate
 from minipar.planner.cluster import Cluster
-from minipar.train import train_rank
+from minipar.train import train_layouts
 
 
 def cluster_of(speeds) -> Cluster:
@@ -50,22 +54,29 @@ def planned(cfg, par: ParallelConfig, global_batch: int, slow_ranks: dict) -> Pa
                        dp_shares=tuple(s * par.microbatches for s in est.shares) if par.dp > 1 else None)
 
 
+def throttle(factor: float):
+    """The after_compute hook of a device `factor` (>= 1) times slower: sleep (factor - 1) times the
+    compute just done (sleeping frees the core for the other ranks). None for factor 1: no hook."""
+    if not factor >= 1.0:
+        raise ValueError(f"slow_ranks factors must be >= 1 (times slower), got {factor!r}")
+    if factor == 1.0:
+        return None
+    return lambda seconds: time.sleep((factor - 1.0) * seconds)
+
+
 def race(cfg, layouts: list, steps: int, global_batch: int, slow_ranks: dict, rounds: int = 5,
          lr: float = 1e-3, weight_decay: float = 0.0) -> list[dict]:
-    """Worker (every rank): train each of `layouts` for `steps` steps, in turn, `rounds` times (a, b, a, b,
-    ...), ranks `slow_ranks` throttled. Returns per layout rank 0's step times, a list per round with
-    each run's first step left out (warm-up), and the last round's losses and single-device weights
-    (rank 0; None elsewhere)."""
-    out = [dict(rounds=[], losses=None, state=None) for _ in layouts]
-    for r in range(rounds):
-        for i, par in enumerate(layouts):
-            last = r == rounds - 1
-            res = train_rank(cfg, par, steps, global_batch, lr, weight_decay, 0, "synthetic", last,
-                             slow_ranks=slow_ranks)
-            out[i]["rounds"].append(res["step_times"][1:])
-            if last:
-                out[i].update(losses=res["losses"], state=res["state"])
-    return out
+    """Worker (every rank): train each of `layouts` for `steps` steps, in turn, `rounds` times (a,
+    b, a, b, ...), ranks `slow_ranks` throttled. Returns per layout rank 0's step times, a list per
+    round with each run's first step left out (warm-up), and "last": the last round's RankResult
+    (its losses, and its single-device weights on rank 0)."""
+    hook = throttle(float(slow_ranks.get(dist.get_rank(), 1.0)))
+    jobs = [dict(par=par, return_state=r == rounds - 1) for r in range(rounds) for par in layouts]
+    runs = train_layouts(jobs, cfg=cfg, steps=steps, global_batch=global_batch, lr=lr,
+                         weight_decay=weight_decay, after_compute=hook)
+    n = len(layouts)  # runs: round 0's layouts, then round 1's, ...
+    return [dict(rounds=[res.step_times[1:] for res in runs[i::n]], last=runs[i - n])
+            for i in range(n)]
 
 
 def compare(cfg, par: ParallelConfig, global_batch: int, slow_ranks: dict, steps: int = 5, rounds: int = 6,
@@ -78,7 +89,7 @@ def compare(cfg, par: ParallelConfig, global_batch: int, slow_ranks: dict, steps
     "ratio", the median over rounds of planned's median step over uniform's in the same round (the
     layouts alternate round after round, so a round's pair saw about the same load).
     Returns {"best_ratio", "ratio", "uniform", "planned"}, each layout {"par", "median" (s a step, all
-    rounds), "best", "rounds" (step times per round), "losses", "state"}."""
+    rounds), "best", "rounds" (step times per round), "last" (the last round's RankResult)}."""
     plan = planned(cfg, par, global_batch, slow_ranks)
     ranks = launch(race, par.world, cfg, [par, plan], steps, global_batch, slow_ranks, rounds, timeout=timeout)
     out = {}

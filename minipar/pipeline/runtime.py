@@ -108,9 +108,6 @@ class Chunk(nn.Module):
         return self.head(self.ln_f(x)) if self.last else x
 
 
-build_chunk = Chunk  # build_chunk(model, layers, first, last) -> Chunk
-
-
 def chunks_for_rank(model: GPT, pp: int, pp_rank: int, virtual_stages: int = 1, costs=None,
                     layers=None) -> dict[int, Chunk]:
     """This rank's chunks {global chunk index: Chunk}: chunk k of pp·virtual_stages lives on rank k % pp;
@@ -170,13 +167,17 @@ def message_order(schedule, chunks: int) -> list[tuple]:
 class PipelineExecutor:
     """Runs this rank's actions of `schedule` (one list of Actions per pipeline rank), a step at a time.
 
-    chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the activations
-    between chunks; group: the pipeline group (None: the world, or no process group when p = 1).
-    Gradients accumulate into the chunks' .grad (sum of loss_j / m over micro-batches j); the caller
-    steps the optimizer. If the schedule has W actions, B computes only input gradients, see `_weight`.
+    chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the
+    activations between chunks; group: the pipeline group (None: the world, or no process group when
+    p = 1). Gradients accumulate into the chunks' .grad (sum of loss_j / m over micro-batches j);
+    the caller steps the optimizer. If the schedule has W actions, B computes only input gradients,
+    see `_weight`. stats: the CommStats that counts the messages sent ("p2p"; None: not counted).
+    after_compute(seconds), if given, is called after each action with what it took (a
+    demonstration's throttle: demos_hetero).
     """
 
-    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, loss_fn=cross_entropy):
+    def __init__(self, chunks: dict, schedule, shape: tuple, group=None, loss_fn=cross_entropy,
+                 stats: comm.CommStats | None = None, after_compute=None):
         self.p, self.chunks = len(schedule), dict(chunks)
         self.n_chunks = 1 + max(a.stage for rank in schedule for a in rank)
         self.m = 1 + max(a.microbatch for rank in schedule for a in rank)
@@ -194,6 +195,7 @@ class PipelineExecutor:
                              f"{list(range(self.rank, self.n_chunks, self.p))} there")
         self.actions, self.group, self.shape = list(schedule[self.rank]), group, tuple(shape)
         self.loss_fn = loss_fn  # (logits, targets) -> mean loss; tensor parallelism passes its own
+        self.stats, self.after_compute = stats, after_compute
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.device = params[0].device
         self.dtype = next(p.dtype for p in params if p.is_floating_point())  # of what travels between chunks
@@ -215,9 +217,14 @@ class PipelineExecutor:
             for m in {id(m): m for ms in self.owners.values() for m in ms}.values():
                 m.register_forward_hook(self._capture)
         self.peak_in_flight = 0
-        # a stated, synthetic throttle for demonstrations (train_rank's slow_ranks, demos_hetero.py): after
-        # each action, sleep (slowdown - 1) times what it took, as a device slowdown times slower would
-        self.slowdown = 1.0
+        self._reset()
+
+    def _reset(self) -> None:
+        """A step's state: the loss so far, the saved activations, messages in and out, sends to
+        wait on."""
+        self._loss, self._scale = None, 1.0
+        self._saved, self._inbox, self._outbox, self._sends = {}, {}, {}, []
+        self._posted = {q: 0 for q in self.queues}
 
     def _peer(self, key) -> tuple[int, int]:
         """(the pipeline rank on the other side of message `key`, whether it stays on this rank)."""
@@ -232,10 +239,11 @@ class PipelineExecutor:
             assert not send or k in self._outbox, f"message {k} to rank {peer} is due before {key}, not made yet"
             if send:
                 t = self._outbox.pop(k)
-                self._sends.append((comm._isend(t, self.ranks[peer], self.group, "p2p", calls=1), t))
+                work = comm.isend(t, self.ranks[peer], self.group, "p2p", self.stats, calls=1)
+                self._sends.append((work, t))
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self._inbox[k] = (buf, comm._irecv(buf, self.ranks[peer], self.group))
+                self._inbox[k] = (buf, comm.irecv(buf, self.ranks[peer], self.group))
             self._posted[peer] += 1
             if k == key:
                 return
@@ -331,18 +339,17 @@ class PipelineExecutor:
         start being when the action's inputs had arrived. The backward runs on loss · loss_scale."""
         if 0 in self.chunks and inputs is None or self.n_chunks - 1 in self.chunks and targets is None:
             raise ValueError(f"rank {self.rank} needs inputs (chunk 0) and/or targets (last chunk)")
-        self._loss = torch.zeros((), device=self.device)
-        self._scale, self._saved, self._inbox, self._outbox, self._sends = float(loss_scale), {}, {}, {}, []
-        self._posted = {q: 0 for q in self.queues}
+        self._reset()
+        self._loss, self._scale = torch.zeros((), device=self.device), float(loss_scale)
         timeline = []
         for a in self.actions:
             op, c, j = _key(a)
             start = self._forward(c, j, inputs, targets) if op == "F" else \
                 self._backward(c, j) if op == "B" else self._weight(c, j)
-            if self.slowdown > 1.0:
-                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+            if self.after_compute:
+                self.after_compute(time.perf_counter() - start)
             timeline.append((a, start, time.perf_counter()))
-        comm._wait(*(work for work, _ in self._sends))
+        comm.wait(*(work for work, _ in self._sends))
         assert not self._saved and not self._inbox and not self._outbox, "a message or activation was left over"
         self._sends = []
         return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), timeline

@@ -48,6 +48,7 @@ from minipar.launch import launch
 from minipar.model import GPTConfig
 from minipar.planner.cluster import Cluster, GiB
 from minipar.planner.layer_profile import micro_step
+from minipar.train import train_layouts
 
 
 @dataclass(frozen=True)
@@ -267,21 +268,28 @@ def _system_busy() -> float:
 
 
 def run_layouts(jobs: list, steps: int, calibrate: bool = False) -> dict:
-    """Worker: train each (cfg, ParallelConfig, global_batch) of `jobs` (all of this world's size) for
-    `steps` steps with `train_rank`, one after the other in this one job, with the threads launch gave.
-    calibrate: first `machine_rank`, and `link_rank` right before each layout. Returns this rank's
-    {"machine": {...}, "layouts": [{"step_times": [s], "memory": {category: bytes}, "calls": {collective: calls
-    over the steps}, "links": {...}, "others": cores other programs kept busy meanwhile (rank 0; None elsewhere)}]}."""
-    from minipar.train import train_rank
+    """Worker: train each (cfg, ParallelConfig, global_batch) of `jobs` (all of this world's size)
+    for `steps` steps with `train_layouts`, one after the other in this one job, with the threads
+    launch gave. calibrate: first `machine_rank`, and `link_rank` right before each layout. Returns
+    this rank's {"machine": {...}, "layouts": [{"step_times": [s], "memory": {category: bytes},
+    "calls": {collective: calls over the steps}, "links": {...}, "others": cores other programs kept
+    busy meanwhile (rank 0; None elsewhere)}]}."""
     out = {"machine": machine_rank() if calibrate else None, "layouts": []}
-    for cfg, par, global_batch in jobs:
-        links = link_rank() if calibrate else None
+    groups = probe_groups() if calibrate else None  # once per job: every rank makes every group
+
+    def probed(i: int, train):  # train_layouts' hook around layout i: the probes and the clocks
+        links = link_rank(groups=groups) if calibrate else None
         dist.barrier()
         wall, cpu, busy = time.perf_counter(), time.process_time(), _system_busy()
-        r = train_rank(cfg, par, steps, global_batch, 1e-3, 0.0, 0, "synthetic", False)
+        r = train()
         ours = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
         dist.all_reduce(ours)  # every rank's CPU seconds, all threads: what is not ours is other programs'
         wall, others = time.perf_counter() - wall, _system_busy() - busy - ours.item()
-        out["layouts"].append({"step_times": r["step_times"], "memory": r["memory"], "calls": r["calls"],
-                               "links": links, "others": max(others, 0.0) / wall if dist.get_rank() == 0 else None})
+        out["layouts"].append({"step_times": r.step_times, "memory": r.memory, "calls": r.calls,
+                               "links": links,
+                               "others": max(others, 0.0) / wall if dist.get_rank() == 0 else None})
+        return r
+
+    layouts = [dict(cfg=cfg, par=par, global_batch=b) for cfg, par, b in jobs]
+    train_layouts(layouts, around=probed, steps=steps)
     return out
