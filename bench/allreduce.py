@@ -1,12 +1,13 @@
 """minipar's ring all-reduce (minipar.comm.all_reduce) against torch.distributed.all_reduce, fp32.
 
-Both run in the same workers on the same tensors, interleaved: for each size, a warm-up of each, then
-repetitions that alternate which one goes first, so that a noisy, shared machine slows both alike.
-A repetition is timed per rank from a barrier to the end of the call, and its time is the slowest
-rank's. The whole job is launched several times (fresh processes each time: on a machine with more
-threads than cores, where the scheduler happens to put them can slow a whole launch down). Times are
-medians over every repetition of every launch; the ratio is the median of minipar/torch over pairs of
-repetitions run back to back, and "ratio per launch" the range of that median launch by launch.
+Both run in the same workers on the same tensors, interleaved: for each size, a warm-up of each,
+then repetitions that alternate which one goes first, so that a noisy, shared machine slows both
+alike. A repetition is timed per rank from a barrier to the end of the call, and its time is the
+slowest rank's. The whole job is launched several times (fresh processes each time: on a machine
+with more threads than cores, where the scheduler happens to put them can slow a whole launch down).
+Times are medians over every repetition of every launch; the ratio is the median of minipar/torch
+over pairs of repetitions run back to back, and "ratio per launch" the range of that median launch
+by launch.
 
     bus bandwidth = size / time * 2(N-1)/N   (what each link carries in a ring; nccl-tests' "busbw")
 """
@@ -45,9 +46,12 @@ def fmt_size(size: int) -> str:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes")
-    parser.add_argument("--sizes", type=parse_size, nargs="+", default=SIZES, help="bytes, e.g. 4K 1M 64M")
-    parser.add_argument("--reps", type=int, default=20, help="repetitions per launch up to 1 MB (fewer above)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls of each, per size and launch")
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=SIZES, help="bytes, e.g. 4K "
+                                                                                   "1M 64M")
+    parser.add_argument("--reps", type=int, default=20, help="repetitions per launch up to 1 MB "
+                                                             "(fewer above)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls of each, per size and "
+                                                              "launch")
     parser.add_argument("--launches", type=int, default=3, help="fresh launches per world size")
 
 
@@ -62,15 +66,18 @@ def run(args, out_dir) -> str:
     md = table(rows)
     big = [r["ratio"] for r in rows if r["size"] >= 1 << 20]
     verdict = (f"Goal, minipar within 1.3x of torch's time at 1 MB and above: "
-               f"{'met' if max(big) <= 1.3 else 'NOT met'} (worst median ratio there: {max(big):.2f})."
+               f"{'met' if max(big) <= 1.3 else 'NOT met'} (worst median ratio there: "
+               f"{max(big):.2f})."
                if big else "")
     command = (f"python bench/run.py allreduce --worlds {' '.join(map(str, args.worlds))} --sizes "
                f"{' '.join(fmt_size(s).replace(' ', '') for s in args.sizes)} --reps {args.reps} "
                f"--warmup {args.warmup} --launches {args.launches}")
     (out_dir / "allreduce.md").write_text(
-        f"# all-reduce: minipar ring vs torch.distributed (gloo), fp32\n\n{__doc__.strip()}\n\n{md}\n\n"
+        "# all-reduce: minipar ring vs torch.distributed (gloo), "
+        f"fp32\n\n{__doc__.strip()}\n\n{md}\n\n"
         f"{verdict}\n\nMachine: {os.cpu_count()} CPUs, torch {torch.__version__}; each rank has "
-        f"max(1, CPUs // N) intra-op threads; 1-minute load average {load_before:.1f} before the run, "
+        f"max(1, CPUs // N) intra-op threads; 1-minute load average {load_before:.1f} before the "
+        "run, "
         f"{os.getloadavg()[0]:.1f} after (the benchmark's own processes count in the second).\n"
         f"Command: `{command}`\n")
     plot(rows, out_dir / "allreduce.png")
@@ -111,17 +118,21 @@ def worker(sizes: list[int], reps: int, warmup: int) -> list[dict]:
 
 
 def summarise(world: int, runs: list[list[list[dict]]]) -> list[dict]:
-    """One row per size from every launch (runs[launch][rank][size index]): medians and bandwidth."""
+    """One row per size from every launch (runs[launch][rank][size index]): medians and
+    bandwidth."""
     rows = []
     for i, size in enumerate(r["size"] for r in runs[0][0]):
         row, per_launch = {"world": world, "size": size}, {}
         for name in IMPLS:  # a repetition's time is its slowest rank's
-            per_launch[name] = [[max(ts) for ts in zip(*(rank[i]["times"][name] for rank in by_rank))]
+            per_launch[name] = [[max(ts)
+                                 for ts in zip(*(rank[i]["times"][name] for rank in by_rank))]
                                 for by_rank in runs]
             t = statistics.median(t for launch in per_launch[name] for t in launch)
             row[f"{name}_s"], row[f"{name}_busbw"] = t, size / t * 2 * (world - 1) / world
-        # the ratio pairs each repetition of minipar with torch's next to it (same launch, same moment)
-        ratios = [[m / t for m, t in zip(ms, ts)] for ms, ts in zip(per_launch["minipar"], per_launch["torch"])]
+        # the ratio pairs each repetition of minipar with torch's next to it (same launch, same
+        # moment)
+        ratios = [[m / t for m, t in zip(ms, ts)] for ms,
+                  ts in zip(per_launch["minipar"], per_launch["torch"])]
         row["ratio"] = statistics.median(r for launch in ratios for r in launch)
         row["ratio_lo"] = min(statistics.median(launch) for launch in ratios)
         row["ratio_hi"] = max(statistics.median(launch) for launch in ratios)
@@ -133,12 +144,15 @@ def summarise(world: int, runs: list[list[list[dict]]]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table."""
-    lines = ["| world | size | minipar (ms) | torch gloo (ms) | ratio | ratio per launch | minipar busbw (GB/s) "
+    lines = ["| world | size | minipar (ms) | torch gloo (ms) | ratio | ratio per launch | minipar "
+             "busbw (GB/s) "
              "| torch busbw (GB/s) | reps | results agree |", "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['world']} | {fmt_size(r['size'])} | {r['minipar_s'] * 1e3:.3f} "
-                     f"| {r['torch_s'] * 1e3:.3f} | **{r['ratio']:.2f}** | {r['ratio_lo']:.2f}–{r['ratio_hi']:.2f} "
-                     f"| {r['minipar_busbw'] / 1e9:.2f} | {r['torch_busbw'] / 1e9:.2f} | {r['reps']} "
+                     f"| {r['torch_s'] * 1e3:.3f} | **{r['ratio']:.2f}** | "
+                     f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f} "
+                     f"| {r['minipar_busbw'] / 1e9:.2f} | {r['torch_busbw'] / 1e9:.2f} | "
+                     f"{r['reps']} "
                      f"| {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -153,10 +167,12 @@ def plot(rows: list[dict], path) -> None:
     for world in sorted({r["world"] for r in rows}):
         rs = [r for r in rows if r["world"] == world]
         sizes = [r["size"] for r in rs]
-        line, = ax_t.loglog(sizes, [r["minipar_s"] * 1e3 for r in rs], "o-", label=f"minipar, N={world}")
+        line, = ax_t.loglog(sizes, [r["minipar_s"] * 1e3 for r in rs], "o-",
+                            label=f"minipar, N={world}")
         ax_t.loglog(sizes, [r["torch_s"] * 1e3 for r in rs], "s--", color=line.get_color(),
                     label=f"torch gloo, N={world}")
-        ax_r.semilogx(sizes, [r["ratio"] for r in rs], "o-", color=line.get_color(), label=f"N={world}")
+        ax_r.semilogx(sizes, [r["ratio"] for r in rs], "o-", color=line.get_color(),
+                      label=f"N={world}")
         ax_r.fill_between(sizes, [r["ratio_lo"] for r in rs], [r["ratio_hi"] for r in rs],
                           color=line.get_color(), alpha=0.15)
     ax_t.set(xlabel="tensor size (bytes)", ylabel="time (ms)", title="all-reduce, fp32 (median)")

@@ -1,23 +1,23 @@
 """minipar's DataParallelNaive and DataParallelBucket against torch's DistributedDataParallel:
 training step time, fp32, gloo.
 
-Every variant of `minipar.lessons.demos.DP_VARIANTS` trains the same model (same seed) on the same batch in the
-same worker processes, with the same bucket size (DDP's bucket_cap_mb = minipar's bucket_mb):
-"local" (no gradient sync: the compute floor), "ddp", and minipar naive / bucketed with its own ring
-("/minipar", on a communication thread) or the backend's async all-reduce ("/torch"). A repetition
-runs one step of each, starting with a different one each time, after warm-up steps (DDP rebuilds
-its buckets after its first step). A step is forward, backward, gradient sync and AdamW, from a
-barrier; its time is the slowest rank's. Times are medians over every repetition of every launch;
-the ratio is the median of variant/DDP over repetitions run back to back, "per launch" its range
-launch by launch. "sync" is the median time a rank spends in finish() (DataParallelNaive's or
+Every variant of `minipar.lessons.demos.DP_VARIANTS` trains the same model (same seed) on the same
+batch in the same worker processes, with the same bucket size (DDP's bucket_cap_mb = minipar's
+bucket_mb): "local" (no gradient sync: the compute floor), "ddp", and minipar naive / bucketed with
+its own ring ("/minipar", on a communication thread) or the backend's async all-reduce ("/torch"). A
+repetition runs one step of each, starting with a different one each time, after warm-up steps (DDP
+rebuilds its buckets after its first step). A step is forward, backward, gradient sync and AdamW,
+from a barrier; its time is the slowest rank's. Times are medians over every repetition of every
+launch; the ratio is the median of variant/DDP over repetitions run back to back, "per launch" its
+range launch by launch. "sync" is the median time a rank spends in finish() (DataParallelNaive's or
 DataParallelBucket's): the communication that backward did not hide. "over local" is the step time
 minus the local step's.
 "grads = DDP" compares each variant's first averaged gradients with DDP's (relative norm).
 
-Weak scaling: tokens/s of the whole job against dp at a fixed batch per rank, each rank with the same
-number of intra-op threads, so ideal is a straight line until the ranks outnumber the cores. The
-"local" line (no communication at all) shows how much parallel compute the machine really gave; the
-gap between it and the others is the cost of communication.
+Weak scaling: tokens/s of the whole job against dp at a fixed batch per rank, each rank with the
+same number of intra-op threads, so ideal is a straight line until the ranks outnumber the cores.
+The "local" line (no communication at all) shows how much parallel compute the machine really gave;
+the gap between it and the others is the cost of communication.
 """
 from __future__ import annotations
 
@@ -69,16 +69,20 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
         for w in s["worlds"] for r in rows[w] if r["variant"].startswith("bucketed/"))
     cfg = minipar.GPTConfig.preset(s["model"])
     command = (f"python bench/run.py ddp --worlds {' '.join(map(str, s['worlds']))} --scaling "
-               f"{' '.join(map(str, s['scaling']))} --model {s['model']} --batch {s['batch']} --bucket-mb "
-               f"{s['bucket_mb']:g} --reps {s['reps']} --warmup {s['warmup']} --launches {s['launches']} "
+               f"{' '.join(map(str, s['scaling']))} --model {s['model']} --batch {s['batch']} "
+               "--bucket-mb "
+               f"{s['bucket_mb']:g} --reps {s['reps']} --warmup {s['warmup']} --launches "
+               f"{s['launches']} "
                f"--threads {s['threads']}")
-    setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters, {4 * cfg.num_params / 2**20:.1f} MiB "
+    setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters, "
+             f"{4 * cfg.num_params / 2**20:.1f} MiB "
              f"of fp32 gradients; {s['batch']} x {cfg.seq_len} tokens per rank; buckets of "
              f"{s['bucket_mb']:g} MiB.")
     (out_dir / "ddp.md").write_text(
         f"# data parallel: minipar DataParallelNaive/Bucket vs torch DDP (gloo), fp32\n\n"
         f"{__doc__.strip()}\n\n{setup}\n\n"
-        f"{md}\n\n{verdict}\n\n## Weak scaling\n\n{scale}\n\n{common.footer(s['threads'], since, command)}")
+        f"{md}\n\n{verdict}\n\n## Weak "
+        f"scaling\n\n{scale}\n\n{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "ddp.png")
     return f"{setup}\n\n{md}\n\n{verdict}\n\n{scale}"
 
@@ -91,28 +95,34 @@ def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
     for name in slowest[0]:
         steps = [t for launch in slowest for t in launch[name]]
         rows.append(dict(
-            world=world, variant=name, step=statistics.median(steps), **common.ratios(slowest, name, "ddp"),
+            world=world, variant=name, step=statistics.median(steps),
+                         **common.ratios(slowest, name, "ddp"),
             over_local=statistics.median(steps) - local,
-            sync=statistics.median(t for by_rank in runs for rank in by_rank for t in rank["sync"][name]),
+            sync=statistics.median(t for by_rank in runs for rank in by_rank
+                                   for t in rank["sync"][name]),
             tokens_per_s=world * runs[0][0]["tokens"] / statistics.median(steps),
-            grad_diff=max((rank["grad_diff"].get(name, 0.0) for by_rank in runs for rank in by_rank)),
+            grad_diff=max((rank["grad_diff"].get(name, 0.0) for by_rank in runs
+                           for rank in by_rank)),
             reps=len(steps)))
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| world | variant | step (ms) | / DDP | per launch | over local (ms) | sync wait (ms) "
+    lines = ["| world | variant | step (ms) | / DDP | per launch | over local (ms) | sync wait "
+             "(ms) "
              "| tokens/s | grads = DDP (rel. diff) | reps |", "|" + "---|" * 10]
     for r in rows:
         same = "—" if r["variant"] in ("local", "ddp") else f"{r['grad_diff']:.1e}"
         sync = {"local": "—", "ddp": "in backward"}.get(r["variant"], f"{r['sync'] * 1e3:.1f}")
-        lines.append(f"| {r['world']} | {r['variant']} | {r['step'] * 1e3:.1f} | **{r['ratio']:.2f}** "
+        lines.append(f"| {r['world']} | {r['variant']} | {r['step'] * 1e3:.1f} | "
+                     f"**{r['ratio']:.2f}** "
                      f"| {r['ratio_lo']:.2f}–{r['ratio_hi']:.2f} | {r['over_local'] * 1e3:+.1f} "
                      f"| {sync} | {r['tokens_per_s']:,.0f} | {same} | {r['reps']} |")
     return "\n".join(lines)
 
 
-SCALED = ("local", "ddp", "bucketed/minipar", "bucketed/torch")  # the lines of the weak-scaling curve
+# the lines of the weak-scaling curve
+SCALED = ("local", "ddp", "bucketed/minipar", "bucketed/torch")
 
 
 def scaling_table(rows: dict[int, list[dict]]) -> str:
@@ -124,7 +134,8 @@ def scaling_table(rows: dict[int, list[dict]]) -> str:
         by = {r["variant"]: r for r in rs}
         first = {r["variant"]: r for r in rows[base]}
         cells = [f"{by[v]['tokens_per_s']:,.0f} "
-                 f"({by[v]['tokens_per_s'] * base / world / first[v]['tokens_per_s']:.0%})" for v in SCALED]
+                 f"({by[v]['tokens_per_s'] * base / world / first[v]['tokens_per_s']:.0%})"
+                 for v in SCALED]
         lines.append(f"| {world} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -154,7 +165,8 @@ def plot(rows: dict[int, list[dict]], s: dict, path) -> None:
     dps = list(s["scaling"])
     for i, v in enumerate(variants):
         if v in SCALED:
-            ax_k.plot(dps, [{r["variant"]: r for r in rows[d]}[v]["tokens_per_s"] for d in dps], "o-",
+            ax_k.plot(dps, [{r["variant"]: r for r in rows[d]}[v]["tokens_per_s"] for d in dps],
+                      "o-",
                       label=v, color=f"C{i}")
     first = {r["variant"]: r for r in rows[dps[0]]}["local"]["tokens_per_s"] / dps[0]
     ax_k.plot(dps, [first * d for d in dps], ":", color="gray", label="ideal (local at dp=1 × dp)")
@@ -173,5 +185,6 @@ def plot(rows: dict[int, list[dict]], s: dict, path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # python bench/ddp.py [options], the same as python bench/run.py ddp [options]
+if __name__ == "__main__":  # python bench/ddp.py [options], the same as python bench/run.py ddp
+                            #   [options]
     main(sys.modules[__name__])

@@ -21,7 +21,8 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="entry")
     for name, module in ENTRIES.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))

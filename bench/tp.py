@@ -1,31 +1,35 @@
-"""minipar's Megatron tensor parallelism against PyTorch's DTensor TP: training step time, fp32, gloo.
+"""minipar's Megatron tensor parallelism against PyTorch's DTensor TP: training step time, fp32,
+gloo.
 
 One launch per world size t runs every variant side by side in the same t worker processes, each
 with its own copy of the same model (same seed, the full single-device init, then cut), the same
 batch on every rank (TP splits the model, not the data) and the same AdamW (`make_optimizer`, lr
 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only):
 
-  tp/minipar     apply_tp(GPT, TPGroup.of(None)): minipar's f/g operators on its own ring collectives
+  tp/minipar     apply_tp(GPT, TPGroup.of(None)): minipar's f/g operators on its own ring
+                 collectives
   tp/torch       the same layers on the backend's collectives (dist.all_reduce ...)
-  tp+sp/torch    the same plus sequence parallelism (LayerNorms and the residual stream cut along the
-                 sequence; f/g become all-gather/reduce-scatter), then sync_sequence_parallel_grads
+  tp+sp/torch    the same plus sequence parallelism (LayerNorms and the residual stream cut along
+                 the sequence; f/g become all-gather/reduce-scatter), then
+                 sync_sequence_parallel_grads
   dtensor        torch.distributed.tensor.parallel.parallelize_module on a 1-D CPU DeviceMesh, the
                  same split as tp/*:  attn.q/k/v, mlp.fc ColwiseParallel; attn.proj, mlp.proj
-                 RowwiseParallel; each block's attn PrepareModuleInput(Replicate -> Replicate DTensor)
-                 so q, k, v share one input DTensor and one backward all-reduce, as minipar's one f
-                 for the three (torchtitan does the same); tok_emb RowwiseParallel(input_layouts=
-                 Replicate()) (vocabulary rows, as VocabParallelEmbedding); head ColwiseParallel(
-                 output_layouts=Shard(-1)) with the loss under loss_parallel() (the vocab-parallel
-                 cross-entropy). LayerNorms and positions stay plain replicated tensors. attn.n_head
-                 is divided by t after parallelizing, since the local q/k/v hold n_head/t heads.
-                 No sequence parallelism: tp+sp/torch is compared with this same dtensor step.
+                 RowwiseParallel; each block's attn PrepareModuleInput(Replicate -> Replicate
+                 DTensor) so q, k, v share one input DTensor and one backward all-reduce, as
+                 minipar's one f for the three (torchtitan does the same); tok_emb
+                 RowwiseParallel(input_layouts= Replicate()) (vocabulary rows, as
+                 VocabParallelEmbedding); head ColwiseParallel( output_layouts=Shard(-1)) with the
+                 loss under loss_parallel() (the vocab-parallel cross-entropy). LayerNorms and
+                 positions stay plain replicated tensors. attn.n_head is divided by t after
+                 parallelizing, since the local q/k/v hold n_head/t heads. No sequence parallelism:
+                 tp+sp/torch is compared with this same dtensor step.
 
 A first, untimed step checks that the comparison is of one computation: every variant's loss must
 equal dtensor's within 1e-5 (same init, same batch: a benchmark of two functions is worthless), its
-gradients are compared rank by rank (relative norm; DTensor's rank-local shards), and the collectives
-each variant issues in that step are counted (minipar: a comm.CommStats; DTensor: the functional
-collectives the profiler sees; "gloo calls": what gloo ran, as the profiler names it: a ring step is
-a send and a recv, and gloo runs a reduce-scatter as an all-reduce).
+gradients are compared rank by rank (relative norm; DTensor's rank-local shards), and the
+collectives each variant issues in that step are counted (minipar: a comm.CommStats; DTensor: the
+functional collectives the profiler sees; "gloo calls": what gloo ran, as the profiler names it: a
+ring step is a send and a recv, and gloo runs a reduce-scatter as an all-reduce).
 Then, after warm-up steps, a repetition runs one step of each variant (forward with the loss,
 backward (+ the SP gradient sync), optimizer step, zero_grad) from a barrier, starting with a
 different variant each time; its time is the slowest rank's. Times are medians over every
@@ -58,7 +62,8 @@ from minipar.tensor_parallel import (
 )
 from minipar.train import make_optimizer
 
-DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2, threads=1)
+DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2,
+                threads=1)
 VARIANTS = ("tp/minipar", "tp/torch", "tp+sp/torch", "dtensor")
 PEER = "dtensor"
 GOAL = 1.0  # the issue's goal: minipar's TP step no slower than DTensor's
@@ -67,11 +72,14 @@ LOSS_TOL = 1e-5
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]), help="TP sizes t")
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]),
+                        help="TP sizes t")
     parser.add_argument("--model", default=DEFAULTS["model"], help="GPTConfig preset")
     parser.add_argument("--n-head", dest="n_head", type=int, default=DEFAULTS["n_head"],
-                        help="override the preset's heads (every t must divide it; 0: the preset's)")
-    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences, the same on every rank")
+                        help="override the preset's heads (every t must divide it; "
+                             "0: the preset's)")
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"],
+                        help="sequences, the same on every rank")
     add_timing_arguments(parser, DEFAULTS)
 
 
@@ -142,11 +150,13 @@ class _Run:
         self.optimizer.zero_grad()
 
     def local_grads(self) -> dict[str, torch.Tensor]:
-        """This rank's gradient of each parameter, as the shard it holds (DTensor's in the param's layout)."""
+        """This rank's gradient of each parameter, as the shard it holds (DTensor's in the param's
+        layout)."""
         out = {}
         for name, p in self.model.named_parameters():
             g = p.grad
-            if hasattr(g, "to_local"):  # e.g. the embedding's comes back Replicate for a Shard(0) weight
+            if hasattr(g, "to_local"):  # e.g. the embedding's comes back Replicate for a Shard(0)
+                                        #   weight
                 g = g.redistribute(placements=p.placements).to_local()
             out[name] = g.detach().clone()
         return out
@@ -169,7 +179,8 @@ def _check_step(run: _Run, x, y) -> tuple[float, dict, dict]:
     logical = {k.removeprefix("torch_"): v for k, v in stats.calls.items() if v} if run.tp else {
         k.removeprefix("_c10d_functional::"): v for k, v in ops.items()
         if k.startswith("_c10d_functional::") and "wait" not in k and "wrap" not in k}
-    return loss.item(), grads, {"logical": logical, "gloo": gloo, "events": len(prof.function_events)}
+    return loss.item(), grads, {"logical": logical, "gloo": gloo,
+                                "events": len(prof.function_events)}
 
 
 def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> dict:
@@ -182,7 +193,8 @@ def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    x, y = data.global_batch("synthetic", 0, batch, cfg.seq_len, cfg.vocab_size)  # all of it, every rank
+    # all of it, every rank
+    x, y = data.global_batch("synthetic", 0, batch, cfg.seq_len, cfg.vocab_size)
     runs = {name: _Run(name, cfg, mesh) for name in VARIANTS}
     losses, grads, calls = {}, {}, {}
     for name, run in runs.items():
@@ -190,8 +202,10 @@ def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> 
         losses[name] = [loss]
     ref = grads[PEER]
     flat = lambda g: torch.cat([t.flatten() for t in g.values()]).double()  # noqa: E731
-    grad_diff = {name: ((flat(g) - flat(ref)).norm() / flat(ref).norm()).item() for name, g in grads.items()}
-    times = {phase: {name: [] for name in VARIANTS} for phase in ("step", "forward", "backward", "opt")}
+    grad_diff = {name: ((flat(g) - flat(ref)).norm() / flat(ref).norm()).item() for name,
+                 g in grads.items()}
+    times = {phase: {name: [] for name in VARIANTS}
+             for phase in ("step", "forward", "backward", "opt")}
     for i in range(warmup + reps):
         k = i % len(VARIANTS)
         for name in VARIANTS[k:] + VARIANTS[:k]:
@@ -206,7 +220,8 @@ def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> 
             t3 = time.perf_counter()
             losses[name].append(loss.item())
             if i >= warmup:
-                for phase, dt in (("step", t3 - t0), ("forward", t1 - t0), ("backward", t2 - t1), ("opt", t3 - t2)):
+                for phase, dt in (("step", t3 - t0), ("forward", t1 - t0), ("backward", t2 - t1),
+                                  ("opt", t3 - t2)):
                     times[phase][name].append(dt)
     return {**times, "losses": losses, "grad_diff": grad_diff, "calls": calls}
 
@@ -217,7 +232,8 @@ def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> 
 def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write tp.md and tp.png to out_dir; return the markdown table.
 
-    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
+    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from
+    Python.
     """
     s = common.settings(DEFAULTS, args, overrides)
     out_dir, since = common.start(out_dir)
@@ -225,19 +241,28 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     for t in s["worlds"]:
         for field in ("n_head", "d_model", "vocab_size", "seq_len"):
             if getattr(cfg, field) % t:
-                raise ValueError(f"t = {t} must divide the model's {field} ({getattr(cfg, field)}): see --n-head")
-    launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, _: minipar.launch(
-        worker, world, cfg, s["batch"], s["reps"], s["warmup"], s["threads"], timeout=1800, on_line=_quiet))
+                raise ValueError(f"t = {t} must divide the model's {field} "
+                                 f"({getattr(cfg, field)}): see --n-head")
+    def run(world: int, _: int) -> list:  # one launch of `world` ranks
+        return minipar.launch(worker, world, cfg, s["batch"], s["reps"], s["warmup"], s["threads"],
+                              timeout=1800, on_line=_quiet)
+
+    launches = common.launch_rounds(s["worlds"], s["launches"], run)
     rows = [row for world, runs in launches.items() for row in summarise(world, runs)]
     md, checks, verdict, notes = table(rows), sanity(rows), verdicts(rows), findings(rows)
-    command = (f"python bench/run.py tp --worlds {' '.join(map(str, s['worlds']))} --model {s['model']} "
-               f"--n-head {s['n_head']} --batch {s['batch']} --reps {s['reps']} --warmup {s['warmup']} "
+    command = (f"python bench/run.py tp --worlds {' '.join(map(str, s['worlds']))} --model "
+               f"{s['model']} "
+               f"--n-head {s['n_head']} --batch {s['batch']} --reps {s['reps']} --warmup "
+               f"{s['warmup']} "
                f"--launches {s['launches']} --threads {s['threads']}")
-    setup = (f"Model `{s['model']}` with n_head = {cfg.n_head} (l {cfg.n_layer}, h {cfg.d_model}, V "
-             f"{cfg.vocab_size}, s {cfg.seq_len}: {cfg.num_params:,} parameters, the same model for every t); "
+    setup = (f"Model `{s['model']}` with n_head = {cfg.n_head} (l {cfg.n_layer}, h {cfg.d_model}, "
+             "V "
+             f"{cfg.vocab_size}, s {cfg.seq_len}: {cfg.num_params:,} parameters, the same model "
+             "for every t); "
              f"{s['batch']} x {cfg.seq_len} tokens per step, the same on every rank.")
     (out_dir / "tp.md").write_text(
-        f"# tensor parallelism: minipar vs DTensor (gloo), fp32\n\n{__doc__.strip()}\n\n{setup}\n\n{checks}\n\n"
+        "# tensor parallelism: minipar vs DTensor (gloo), "
+        f"fp32\n\n{__doc__.strip()}\n\n{setup}\n\n{checks}\n\n"
         f"{md}\n\n{verdict}\n\n{notes}\n\n![step time by phase](tp.png)\n\n"
         f"{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "tp.png")
@@ -252,14 +277,17 @@ def _quiet(rank: int, line: str) -> bool:
 def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
     """One row per variant from every launch (runs[launch][rank] = worker's result)."""
     slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
-    every = lambda phase, name: [t for by_rank in runs for r in by_rank for t in r[phase][name]]  # noqa: E731
+    # noqa: E731
+    every = lambda phase, name: [t for by_rank in runs for r in by_rank for t in r[phase][name]]
     rows = []
     for name in VARIANTS:
         firsts = [(r["losses"][name][0], r["losses"][PEER][0]) for by_rank in runs for r in by_rank]
         rows.append(dict(
-            world=world, variant=name, step=statistics.median(t for launch in slowest for t in launch[name]),
+            world=world, variant=name,
+                         step=statistics.median(t for launch in slowest for t in launch[name]),
             **common.ratios(slowest, name, PEER),
-            **{phase: statistics.median(every(phase, name)) for phase in ("forward", "backward", "opt")},
+            **{phase: statistics.median(every(phase, name))
+               for phase in ("forward", "backward", "opt")},
             first_loss=firsts[0][0], first_diff=max(abs(a - b) for a, b in firsts),
             loss_diff=max(abs(a - b) / abs(b) for by_rank in runs for r in by_rank
                           for a, b in zip(r["losses"][name], r["losses"][PEER])),
@@ -275,24 +303,31 @@ def sanity(rows: list[dict]) -> str:
         rs = [r for r in rows if r["world"] == world and r["variant"] != PEER]
         worst = max(r["first_diff"] for r in rs)
         out.append(f"Check, t = {world}: first-step loss of every minipar variant = dtensor's "
-                   f"({next(r for r in rows if r['world'] == world)['first_loss']:.6f}) within {LOSS_TOL:g}: "
-                   f"{'yes' if worst <= LOSS_TOL else 'NO'} (largest difference {worst:.1e}, every rank and "
-                   f"launch); first gradients, largest relative difference {max(r['grad_diff'] for r in rs):.1e}.")
+                   f"({next(r for r in rows if r['world'] == world)['first_loss']:.6f}) within "
+                   f"{LOSS_TOL:g}: "
+                   f"{'yes' if worst <= LOSS_TOL else 'NO'} (largest difference {worst:.1e}, every "
+                   "rank and "
+                   "launch); first gradients, largest relative difference "
+                   f"{max(r['grad_diff'] for r in rs):.1e}.")
     return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:
     ms = lambda t: f"{t * 1e3:.1f}"  # noqa: E731
-    lines = ["| t | variant | step (ms) | / dtensor | per launch | forward (ms) | backward (ms) | optimizer (ms) "
-             "| collectives in forward + backward / gloo calls | loss rel. diff (all steps) | reps |",
+    lines = ["| t | variant | step (ms) | / dtensor | per launch | forward (ms) | backward (ms) | "
+             "optimizer (ms) "
+             "| collectives in forward + backward / gloo calls | loss rel. diff (all steps) | reps "
+             "|",
              "|" + "---|" * 11]
     for r in rows:
         peer = r["variant"] == PEER
         ratio, spread, diff = ("(peer)", "—", "—") if peer else (
-            f"**{r['ratio']:.2f}**", f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}", f"{r['loss_diff']:.1e}")
+            f"**{r['ratio']:.2f}**", f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}",
+                                                                 f"{r['loss_diff']:.1e}")
         calls = " / ".join(", ".join(f"{v} {k}" for k, v in sorted(r["calls"][kind].items()))
                            for kind in ("logical", "gloo"))
-        lines.append(f"| {r['world']} | {r['variant']} | {ms(r['step'])} | {ratio} | {spread} | {ms(r['forward'])} "
+        lines.append(f"| {r['world']} | {r['variant']} | {ms(r['step'])} | {ratio} | {spread} | "
+                     f"{ms(r['forward'])} "
                      f"| {ms(r['backward'])} | {ms(r['opt'])} | {calls} | {diff} | {r['reps']} |")
     return "\n".join(lines)
 
@@ -303,8 +338,10 @@ def verdicts(rows: list[dict]) -> str:
             return "NOT met"
         return "met" if r["ratio_hi"] <= GOAL else "met on the median, not in every launch"
     return "\n".join(
-        f"Goal, {r['variant']} step no slower than dtensor's ({GOAL:.2f}x) at t = {r['world']}: {word(r)} "
-        f"(median ratio {r['ratio']:.2f}, launch by launch {r['ratio_lo']:.2f}–{r['ratio_hi']:.2f})."
+        f"Goal, {r['variant']} step no slower than dtensor's ({GOAL:.2f}x) at t = {r['world']}: "
+        f"{word(r)} "
+        f"(median ratio {r['ratio']:.2f}, launch by launch "
+        f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f})."
         for r in rows if r["variant"] != PEER)
 
 
@@ -316,25 +353,39 @@ def findings(rows: list[dict]) -> str:
         ours, ring, sp, peer = by["tp/torch"], by["tp/minipar"], by["tp+sp/torch"], by[PEER]
         delta = lambda a, b, phase: f"{(a[phase] - b[phase]) * 1e3:+.1f}"  # noqa: E731
         out.append(
-            f"- t = {world}, dtensor over tp/torch (the same {sum(peer['calls']['gloo'].values())} gloo all-reduces "
-            f"a step): forward {delta(peer, ours, 'forward')} ms, backward {delta(peer, ours, 'backward')} ms, "
+            f"- t = {world}, dtensor over tp/torch (the same {sum(peer['calls']['gloo'].values())} "
+            "gloo all-reduces "
+            f"a step): forward {delta(peer, ours, 'forward')} ms, backward "
+            f"{delta(peer, ours, 'backward')} ms, "
             f"optimizer {delta(peer, ours, 'opt')} ms; its forward + backward recorded "
-            f"{peer['calls']['events']:,} profiler events against {ours['calls']['events']:,}: DTensor's "
-            f"dispatch (sharding propagation, wrapping, redistribution) on every operator, and AdamW's foreach "
-            f"kernels run on DTensors. tp/minipar over tp/torch (the ring instead of gloo's collectives, "
+            f"{peer['calls']['events']:,} profiler events against {ours['calls']['events']:,}: "
+            "DTensor's "
+            "dispatch (sharding propagation, wrapping, redistribution) on every operator, and "
+            "AdamW's foreach "
+            "kernels run on DTensors. tp/minipar over tp/torch (the ring instead of gloo's "
+            "collectives, "
             f"{sum(ring['calls']['gloo'].values())} sends and receives instead of "
-            f"{sum(ours['calls']['gloo'].values())} calls): forward {delta(ring, ours, 'forward')} ms, backward "
-            f"{delta(ring, ours, 'backward')} ms. tp+sp/torch over tp/torch: forward {delta(sp, ours, 'forward')} "
+            f"{sum(ours['calls']['gloo'].values())} calls): forward {delta(ring, ours, 'forward')} "
+            "ms, backward "
+            f"{delta(ring, ours, 'backward')} ms. tp+sp/torch over tp/torch: forward "
+            f"{delta(sp, ours, 'forward')} "
             f"ms, backward {delta(sp, ours, 'backward')} ms.")
     out.append(
-        "On this CPU the comparison is mostly about overhead: the model is small, so DTensor's per-operator work "
-        "is a large share of a step, and every collective is latency-bound (a few hundred KiB), where the ring's "
-        "2 (t-1) dependent send/recv rounds, driven from Python, each a wait and a wake-up, cost more than "
-        "gloo's all-reduce in C++ (more so on a shared machine, where each wake-up waits to be scheduled). "
+        "On this CPU the comparison is mostly about overhead: the model is small, so DTensor's "
+        "per-operator work "
+        "is a large share of a step, and every collective is latency-bound (a few hundred KiB), "
+        "where the ring's "
+        "2 (t-1) dependent send/recv rounds, driven from Python, each a wait and a wake-up, cost "
+        "more than "
+        "gloo's all-reduce in C++ (more so on a shared machine, where each wake-up waits to be "
+        "scheduled). "
         "Sequence parallelism cannot pay on gloo: "
-        "gloo runs a reduce-scatter as a whole all-reduce, so SP keeps the all-reduces' bytes and adds the "
-        "all-gathers (and a (B, T, h) <-> (T, B, h) copy at each); its gain is activation memory, not time. On "
-        "GPUs, where DTensor's dispatch overlaps the kernels and NCCL's reduce-scatter is half an all-reduce, "
+        "gloo runs a reduce-scatter as a whole all-reduce, so SP keeps the all-reduces' bytes and "
+        "adds the "
+        "all-gathers (and a (B, T, h) <-> (T, B, h) copy at each); its gain is activation memory, "
+        "not time. On "
+        "GPUs, where DTensor's dispatch overlaps the kernels and NCCL's reduce-scatter is half an "
+        "all-reduce, "
         "the ratios would differ: this measures the CPU/gloo case only.")
     return "\n".join(out)
 
@@ -359,7 +410,8 @@ def plot(rows: list[dict], s: dict, path) -> None:
             bottom += heights
     ax.set_xticks(range(len(worlds)), [f"t = {w}" for w in worlds])
     ax.set(ylabel="ms (median; plain forward, // backward, .. optimizer)",
-           title=f"minipar TP vs DTensor TP: {s['model']} (n_head {s['n_head']}), {s['batch']} sequences, gloo")
+           title=f"minipar TP vs DTensor TP: {s['model']} (n_head {s['n_head']}), {s['batch']} "
+                 "sequences, gloo")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -367,5 +419,6 @@ def plot(rows: list[dict], s: dict, path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # python bench/tp.py [options], the same as python bench/run.py tp [options]
+if __name__ == "__main__":  # python bench/tp.py [options], the same as python bench/run.py tp
+                            #   [options]
     main(sys.modules[__name__])

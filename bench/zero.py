@@ -1,38 +1,42 @@
-"""minipar ZeRO against PyTorch's: ZeRO-3 vs FSDP2, ZeRO-1 vs ZeroRedundancyOptimizer over DDP; fp32, gloo.
+"""minipar ZeRO against PyTorch's: ZeRO-3 vs FSDP2, ZeRO-1 vs ZeroRedundancyOptimizer over DDP;
+fp32, gloo.
 
 Six variants train the same model (same seed) on the same fixed batch, in the same worker processes:
 
   zero3/minipar, zero3/torch   minipar.zero.Zero3 (its own ring / the backend's collectives)
-  fsdp2                        torch.distributed.fsdp.fully_shard on each block, then the root, on a CPU
-                               device mesh, with torch.optim.AdamW on the sharded parameters
-  zero1/minipar, zero1/torch   minipar.zero.ZeroOptimizer(stage=1): it reduce-scatters the gradients itself
-  ddp+zero-r                   torch DDP (default buckets) + torch.distributed.optim.ZeroRedundancyOptimizer
-                               around AdamW: PyTorch's ZeRO-1 (DDP all-reduces, ZeRO-R shards the state)
+  fsdp2                        torch.distributed.fsdp.fully_shard on each block, then the root, on a
+                               CPU device mesh, with torch.optim.AdamW on the sharded parameters
+  zero1/minipar, zero1/torch   minipar.zero.ZeroOptimizer(stage=1): it reduce-scatters the gradients
+                               itself
+  ddp+zero-r                   torch DDP (default buckets) +
+                               torch.distributed.optim.ZeroRedundancyOptimizer
+                               around AdamW: PyTorch's ZeRO-1 (DDP all-reduces, ZeRO-R shards the
+                               state)
 
 All use AdamW(lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only). Step time: a repetition
 runs one step of each variant (forward, backward, gradient sync, optimizer step, zero_grad) from a
 barrier, starting with a different variant each time, after warm-up steps; its time is the slowest
 rank's. Times are medians over every repetition of every launch; the ratio is the median of
 variant/peer over repetitions run back to back (peer: fsdp2 for ZeRO-3, ddp+zero-r for ZeRO-1), "per
-launch" its range launch by launch. "in step()": the median time (all ranks) in the optimizer step and
-zero_grad, after backward; it holds ZeRO-1's reduce-scatter and all-gather and ZeRO-R's broadcasts
-(DDP, FSDP2 and Zero3 sync the gradients in backward).
+launch" its range launch by launch. "in step()": the median time (all ranks) in the optimizer step
+and zero_grad, after backward; it holds ZeRO-1's reduce-scatter and all-gather and ZeRO-R's
+broadcasts (DDP, FSDP2 and Zero3 sync the gradients in backward).
 
-Memory (first launch only, before the timed steps, one variant at a time): there are no CPU allocator
-statistics, so every variant is measured by PyTorch's `torch.distributed._tools.mem_tracker.MemTracker`,
-a dispatch mode that sees every tensor storage an operator creates and its release. The model, the
-wrapper and the optimizer are built inside the tracker (so persistent buffers such as DDP's buckets
-and minipar's reused ring scratch space are seen from birth); one step runs, then the peak is reset
-and the second step is measured (later steps peak the same, to the byte). "peak" is the largest total
-of live storages during that step, "after forward" the total just before backward, "between steps"
-what is still held after zero_grad. "full params held after forward": the bytes of the storages that
-the parameters of each module had while it ran forward that are still alive when forward ends (weak
-references taken by forward pre-hooks): gathered parameters not yet really freed, and anything not
-sharded. A dispatch mode is per thread: Zero3 runs its all-gathers and reduce-scatters on a
-communication thread, which the tracker would not see, so for this measurement only its executor is
-replaced by one that runs each job at once in the calling thread, as if the communication thread
-started every job the moment it is queued (a prefetched unit then exists from the prefetch request
-on, the earliest it can in a real run).
+Memory (first launch only, before the timed steps, one variant at a time): there are no CPU
+allocator statistics, so every variant is measured by PyTorch's
+`torch.distributed._tools.mem_tracker.MemTracker`, a dispatch mode that sees every tensor storage an
+operator creates and its release. The model, the wrapper and the optimizer are built inside the
+tracker (so persistent buffers such as DDP's buckets and minipar's reused ring scratch space are
+seen from birth); one step runs, then the peak is reset and the second step is measured (later steps
+peak the same, to the byte). "peak" is the largest total of live storages during that step, "after
+forward" the total just before backward, "between steps" what is still held after zero_grad. "full
+params held after forward": the bytes of the storages that the parameters of each module had while
+it ran forward that are still alive when forward ends (weak references taken by forward pre-hooks):
+gathered parameters not yet really freed, and anything not sharded. A dispatch mode is per thread:
+Zero3 runs its all-gathers and reduce-scatters on a communication thread, which the tracker would
+not see, so for this measurement only its executor is replaced by one that runs each job at once in
+the calling thread, as if the communication thread started every job the moment it is queued (a
+prefetched unit then exists from the prefetch request on, the earliest it can in a real run).
 Not counted, for any variant: gloo's internal buffers, Python objects, the allocator's slack. Memory
 columns are the fullest rank's.
 Sanity: every variant's loss at every step (rank-local, same rows on a rank) is compared with the
@@ -70,7 +74,8 @@ LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.95)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]), help="world sizes")
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]),
+                        help="world sizes")
     parser.add_argument("--model", default=DEFAULTS["model"], help="GPTConfig preset")
     parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per rank")
     add_timing_arguments(parser, DEFAULTS)
@@ -100,9 +105,11 @@ class _Run:
         self.zero3 = None
         kind, _, collectives = name.partition("/")
         if kind == "zero3":
-            self.optimizer = self.zero3 = Zero3(self.model, None, LR, WEIGHT_DECAY, BETAS, collectives=collectives)
+            self.optimizer = self.zero3 = Zero3(self.model, None, LR, WEIGHT_DECAY, BETAS,
+                                                collectives=collectives)
         elif kind == "zero1":
-            self.optimizer = ZeroOptimizer(self.model, None, 1, LR, WEIGHT_DECAY, BETAS, collectives=collectives)
+            self.optimizer = ZeroOptimizer(self.model, None, 1, LR, WEIGHT_DECAY, BETAS,
+                                           collectives=collectives)
         elif name == "fsdp2":
             from torch.distributed.fsdp import fully_shard
             for block in self.model.blocks:
@@ -113,7 +120,8 @@ class _Run:
             from torch.distributed.optim import ZeroRedundancyOptimizer
             from torch.nn.parallel import DistributedDataParallel
             self.module = DistributedDataParallel(self.model)
-            groups = make_optimizer(self.model, LR, WEIGHT_DECAY).param_groups  # same groups as the others
+            # same groups as the others
+            groups = make_optimizer(self.model, LR, WEIGHT_DECAY).param_groups
             self.optimizer = ZeroRedundancyOptimizer(
                 [dict(params=g["params"], weight_decay=g["weight_decay"]) for g in groups],
                 optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS)
@@ -133,7 +141,8 @@ class _Run:
 
 
 def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
-    """This rank's bytes in one steady step: {"peak", "after_forward", "between", "gathered"} (docstring)."""
+    """This rank's bytes in one steady step: {"peak", "after_forward", "between", "gathered"}
+    (docstring)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     gc.collect()
@@ -144,10 +153,12 @@ def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
         if run.zero3:
             run.zero3._comm.shutdown()
             run.zero3._comm = _Inline()
-        run.forward(x, y).backward()  # a first step makes the optimizer state; peaks are the same from the second on
+        run.forward(x, y).backward()  # a first step makes the optimizer state; peaks are the same
+                                      #   from the second on
         run.step()
         tracker.reset_mod_stats()  # MemTracker refuses a second forward of a module otherwise
-        tracker._peak_mem.clear(), tracker._peak_mem_snap.clear()  # the peak of the second step only
+        # the peak of the second step only
+        tracker._peak_mem.clear(), tracker._peak_mem_snap.clear()
         storages, hooks = _watch_parameter_storages(run.model)
         loss = run.forward(x, y)
         after_forward = total("current")
@@ -155,9 +166,12 @@ def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
         loss.backward()
         del loss
         run.step()
-        time.sleep(0.05)  # gloo's worker thread drops its reference to a finished collective's tensors
-        dist.barrier()    # a moment after the caller's wait returns: let it, or "between" may count them
-        out = dict(peak=total("peak"), after_forward=after_forward, between=total("current"), gathered=gathered)
+        time.sleep(0.05)  # gloo's worker thread drops its reference to a finished collective's
+                          #   tensors
+        dist.barrier()    # a moment after the caller's wait returns: let it, or "between" may count
+                          #   them
+        out = dict(peak=total("peak"), after_forward=after_forward, between=total("current"),
+                   gathered=gathered)
     for hook in hooks:
         hook.remove()
     run.close()
@@ -179,15 +193,19 @@ def _watch_parameter_storages(model):
             if st.nbytes():
                 storages.setdefault(st.data_ptr(), weakref.ref(st))
 
-    hooks = [m.register_forward_pre_hook(note) for m in model.modules() if any(True for _ in m.parameters(False))]
+    hooks = [m.register_forward_pre_hook(note) for m in model.modules()
+             if any(True for _ in m.parameters(False))]
     return storages, hooks
 
 
 def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory: bool) -> dict:
     """On every rank: {"step", "opt": {variant: [seconds of each timed step, of its run.step()]},
-    "losses": {variant: [loss of every step]}, "memory": {variant: _measure_memory's} (if memory)}."""
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on our logits: no in-place
-    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on None grads
+    "losses": {variant: [loss of every step]}, "memory": {variant: _measure_memory's} (if
+    memory)}."""
+    # FSDP2 on our logits: no in-place
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    # MemTracker on None grads
+    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
     if threads:
         torch.set_num_threads(threads)
     from torch.distributed.device_mesh import init_device_mesh
@@ -227,23 +245,31 @@ def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory:
 def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write zero.md and zero.png to out_dir; return the markdown table.
 
-    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from Python.
+    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from
+    Python.
     """
     s = common.settings(DEFAULTS, args, overrides)
     out_dir, since = common.start(out_dir)
-    launches = common.launch_rounds(s["worlds"], s["launches"], lambda world, i: minipar.launch(
-        worker, world, s["model"], s["batch"], s["reps"], s["warmup"], s["threads"], i == 0, timeout=1800))
+    def run(world: int, i: int) -> list:  # one launch of `world` ranks
+        return minipar.launch(worker, world, s["model"], s["batch"], s["reps"], s["warmup"],
+                              s["threads"], i == 0, timeout=1800)
+
+    launches = common.launch_rounds(s["worlds"], s["launches"], run)
     rows = [row for world, runs in launches.items() for row in summarise(world, runs)]
     md = table(rows)
     verdict = verdicts(rows)
     cfg = GPTConfig.preset(s["model"])
-    command = (f"python bench/run.py zero --worlds {' '.join(map(str, s['worlds']))} --model {s['model']} "
-               f"--batch {s['batch']} --reps {s['reps']} --warmup {s['warmup']} --launches {s['launches']} "
+    command = (f"python bench/run.py zero --worlds {' '.join(map(str, s['worlds']))} --model "
+               f"{s['model']} "
+               f"--batch {s['batch']} --reps {s['reps']} --warmup {s['warmup']} --launches "
+               f"{s['launches']} "
                f"--threads {s['threads']}")
-    setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters ({4 * cfg.num_params / 2**20:.1f} MiB in fp32, "
+    setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters "
+             f"({4 * cfg.num_params / 2**20:.1f} MiB in fp32, "
              f"P below); {s['batch']} x {cfg.seq_len} tokens per rank.")
     (out_dir / "zero.md").write_text(
-        f"# ZeRO: minipar vs FSDP2 and ZeroRedundancyOptimizer (gloo), fp32\n\n{__doc__.strip()}\n\n{setup}\n\n"
+        "# ZeRO: minipar vs FSDP2 and ZeroRedundancyOptimizer (gloo), "
+        f"fp32\n\n{__doc__.strip()}\n\n{setup}\n\n"
         f"{md}\n\n{verdict}\n\n{findings(rows, cfg)}![step time and memory](zero.png)\n\n"
         f"{common.footer(s['threads'], since, command)}")
     plot(rows, s, out_dir / "zero.png")
@@ -264,9 +290,12 @@ def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
                           for by_rank in runs for rank in by_rank)
         fullest = lambda key, v=name: max(m[v][key] for m in memory)
         rows.append(dict(
-            world=world, variant=name, peer=peer, step=statistics.median(steps), **common.ratios(slowest, name, peer),
-            opt=statistics.median(t for by_rank in runs for rank in by_rank for t in rank["opt"][name]),
-            peak=fullest("peak"), after_forward=fullest("after_forward"), between=fullest("between"),
+            world=world, variant=name, peer=peer, step=statistics.median(steps),
+                         **common.ratios(slowest, name, peer),
+            opt=statistics.median(t for by_rank in runs for rank in by_rank
+                                  for t in rank["opt"][name]),
+            peak=fullest("peak"), after_forward=fullest("after_forward"),
+                         between=fullest("between"),
             gathered=fullest("gathered"),
             peak_ratio=fullest("peak") / max(m[peer]["peak"] for m in memory),
             first_loss=runs[0][0]["losses"][name][0], first_equal=first_equal, loss_diff=loss_diff,
@@ -276,16 +305,22 @@ def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     mib = lambda b: f"{b / 2**20:.1f}"
-    lines = ["| world | variant | step (ms) | / peer | per launch | in step() (ms) | peak memory (MiB) | / peer "
-             "| after forward (MiB) | between steps (MiB) | full params held after forward (MiB) | first loss = peer "
+    lines = ["| world | variant | step (ms) | / peer | per launch | in step() (ms) | peak memory "
+             "(MiB) | / peer "
+             "| after forward (MiB) | between steps (MiB) | full params held after forward (MiB) | "
+             "first loss = peer "
              "| loss rel. diff (all steps) | reps |", "|" + "---|" * 14]
     for r in rows:
         is_peer = r["variant"] == r["peer"]
-        ratio, spread, peak_ratio, same, diff = ("(peer)", "—", "(peer)", "—", "—") if is_peer else (
-            f"**{r['ratio']:.2f}**", f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}", f"**{r['peak_ratio']:.2f}**",
+        ratio, spread, peak_ratio, same, diff = ("(peer)", "—", "(peer)", "—",
+                                                 "—") if is_peer else (
+            f"**{r['ratio']:.2f}**", f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}",
+                                                                       f"**{r['peak_ratio']:.2f}**",
             "yes" if r["first_equal"] else "NO", f"{r['loss_diff']:.1e}")
-        lines.append(f"| {r['world']} | {r['variant']} | {r['step'] * 1e3:.1f} | {ratio} | {spread} "
-                     f"| {r['opt'] * 1e3:.1f} | {mib(r['peak'])} | {peak_ratio} | {mib(r['after_forward'])} "
+        lines.append(f"| {r['world']} | {r['variant']} | {r['step'] * 1e3:.1f} | {ratio} | "
+                     f"{spread} "
+                     f"| {r['opt'] * 1e3:.1f} | {mib(r['peak'])} | {peak_ratio} | "
+                     f"{mib(r['after_forward'])} "
                      f"| {mib(r['between'])} | {mib(r['gathered'])} "
                      f"| {same} ({r['first_loss']:.6f}) | {diff} | {r['reps']} |")
     return "\n".join(lines)
@@ -297,11 +332,14 @@ def verdicts(rows: list[dict]) -> str:
         if r["variant"] == r["peer"]:
             continue
         goal = GOAL[r["peer"]]
-        out.append(f"Goal, {r['variant']} step within {goal:.2f}x of {r['peer']}'s at N = {r['world']}: "
+        out.append(f"Goal, {r['variant']} step within {goal:.2f}x of {r['peer']}'s at N = "
+                   f"{r['world']}: "
                    f"{'met' if r['ratio'] <= goal else 'NOT met'} (median ratio {r['ratio']:.2f}).")
         if r["peer"] == "fsdp2":
-            out.append(f"Goal, {r['variant']} peak memory per rank no higher than fsdp2's at N = {r['world']}: "
-                       f"{'met' if r['peak_ratio'] <= 1.0 else 'NOT met'} (ratio {r['peak_ratio']:.2f}).")
+            out.append(f"Goal, {r['variant']} peak memory per rank no higher than fsdp2's at N = "
+                       f"{r['world']}: "
+                       f"{'met' if r['peak_ratio'] <= 1.0 else 'NOT met'} (ratio "
+                       f"{r['peak_ratio']:.2f}).")
     return "\n".join(out)
 
 
@@ -314,25 +352,35 @@ def findings(rows: list[dict], cfg: GPTConfig) -> str:
             continue
         peer = next(p for p in rows if p["world"] == r["world"] and p["variant"] == "fsdp2")
         leaks |= r["gathered"] > peer["gathered"] + block
-        out.append(f"- N = {r['world']}, {r['variant']}: peak {(r['peak'] - peer['peak']) / 2**20:+.1f} MiB over "
-                   f"fsdp2; held between steps {(r['between'] - peer['between']) / 2**20:+.1f} MiB; full parameters "
+        out.append(f"- N = {r['world']}, {r['variant']}: peak "
+                   f"{(r['peak'] - peer['peak']) / 2**20:+.1f} MiB over "
+                   f"fsdp2; held between steps {(r['between'] - peer['between']) / 2**20:+.1f} "
+                   "MiB; full parameters "
                    f"held at the end of forward {r['gathered'] / 2**20:.1f} MiB against fsdp2's "
-                   f"{peer['gathered'] / 2**20:.1f} (the whole model is {full / 2**20:.1f} MiB, one block "
+                   f"{peer['gathered'] / 2**20:.1f} (the whole model is {full / 2**20:.1f} MiB, "
+                   "one block "
                    f"{block / 2**20:.1f} MiB).")
     if not out:
         return ""
-    why = ("A unit's gathered parameters are freed after its forward only if their storage goes: a Linear saves "
-           "`weight.t()`, a view of the gathered buffer, for its backward, so freeing by re-pointing the parameters "
-           "(`p.data = empty`) keeps each gathered buffer alive until backward, which then gathers a second copy. "
-           "FSDP2 frees with `storage.resize_(0)` and all-gathers back into the same storage, so the saved views "
+    why = ("A unit's gathered parameters are freed after its forward only if their storage goes: a "
+           "Linear saves "
+           "`weight.t()`, a view of the gathered buffer, for its backward, so freeing by "
+           "re-pointing the parameters "
+           "(`p.data = empty`) keeps each gathered buffer alive until backward, which then gathers "
+           "a second copy. "
+           "FSDP2 frees with `storage.resize_(0)` and all-gathers back into the same storage, so "
+           "the saved views "
            "see the data again. " if leaks else "")
-    return ("Where ZeRO-3's extra memory comes from:\n" + "\n".join(out) + f"\n\n{why}Held between steps: "
-            "fsdp2's zero_grad sets the gradient shards to None (4P/N bytes), a zeroing zero_grad keeps them; "
+    return ("Where ZeRO-3's extra memory comes from:\n" + "\n".join(out) + f"\n\n{why}Held between "
+                                                                           "steps: "
+            "fsdp2's zero_grad sets the gradient shards to None (4P/N bytes), a zeroing zero_grad "
+            "keeps them; "
             "the /minipar collectives also keep the ring's receive space.\n\n")
 
 
 def plot(rows: list[dict], s: dict, path) -> None:
-    """Step time and peak memory by variant and world (memory: the part held between steps hatched)."""
+    """Step time and peak memory by variant and world (memory: the part held between steps
+    hatched)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -345,13 +393,16 @@ def plot(rows: list[dict], s: dict, path) -> None:
         by = [next(r for r in rows if r["world"] == w and r["variant"] == name) for w in worlds]
         ax_t.bar(x, [r["step"] * 1e3 for r in by], width, label=name, color=f"C{i}")
         ax_m.bar(x, [r["peak"] / 2**20 for r in by], width, label=name, color=f"C{i}")
-        ax_m.bar(x, [r["between"] / 2**20 for r in by], width, color="none", edgecolor="k", hatch="//", lw=0.5)
+        ax_m.bar(x, [r["between"] / 2**20 for r in by], width, color="none", edgecolor="k",
+                 hatch="//", lw=0.5)
     for ax, label, title in ((ax_t, "step time (ms, median)", "training step"),
-                             (ax_m, "MiB per rank (fullest rank)", "peak memory (hatched: held between steps)")):
+                             (ax_m, "MiB per rank (fullest rank)", "peak memory (hatched: held "
+                                                                   "between steps)")):
         ax.set_xticks(range(len(worlds)), [f"N = {w}" for w in worlds])
         ax.set(ylabel=label, title=title)
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=len(VARIANTS), fontsize=8)
+    fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=len(VARIANTS),
+               fontsize=8)
     fig.suptitle(f"minipar ZeRO vs PyTorch (FSDP2, ZeroRedundancyOptimizer + DDP): {s['model']}, "
                  f"{s['batch']} sequences per rank, gloo")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
@@ -359,5 +410,6 @@ def plot(rows: list[dict], s: dict, path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # python bench/zero.py [options], the same as python bench/run.py zero [options]
+if __name__ == "__main__":  # python bench/zero.py [options], the same as python bench/run.py zero
+                            #   [options]
     main(sys.modules[__name__])

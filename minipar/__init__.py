@@ -1,4 +1,5 @@
-"""minipar: the techniques that train large models on many accelerators, from scratch on torch.distributed.
+"""minipar: the techniques that train large models on many accelerators, from scratch on
+torch.distributed.
 
     import minipar
     cfg = minipar.GPTConfig.preset("tiny")
@@ -22,5 +23,7 @@ from minipar.planner.cluster import Cluster
 from minipar.train import TrainResult, train
 
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel",
-           "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "ParallelConfig", "TrainResult",
-           "WorkerError", "WorkerTimeout", "estimate", "explain", "format_table", "launch", "plan", "train"]
+           "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "ParallelConfig",
+           "TrainResult",
+           "WorkerError", "WorkerTimeout", "estimate", "explain", "format_table", "launch", "plan",
+           "train"]

@@ -4,8 +4,8 @@ A checkpoint holds what the single-process run would hold: the full fp32 weights
 names, AdamW's two moments and step count for each of them, the number of steps done (the data
 position: batches are a function of the step) and the model's configuration. Saving gathers the
 pieces (tensor-parallel blocks along their cut, pipeline stages' layers) to rank 0, which writes;
-resuming loads the full weights before the layout cuts the model, then cuts the moments the same way.
-So a run saved at dp2 tp2 pp2 resumes at tp4 or on one process and continues the same training.
+resuming loads the full weights before the layout cuts the model, then cuts the moments the same
+way. So a run saved at dp2 tp2 pp2 resumes at tp4 or on one process and continues the same training.
 
 Writes are atomic: the file is written beside the target, flushed to disk, then renamed over it
 (`os.replace`), so a crash during a save leaves the previous checkpoint whole. Loading uses
@@ -30,7 +30,8 @@ FORMAT = 1
 
 
 def _sources(model, mp):
-    """(name, model parameter, the fp32 tensor the optimizer steps: the master or the parameter itself)."""
+    """(name, model parameter, the fp32 tensor the optimizer steps: the master or the parameter
+    itself)."""
     masters = list(mp.master) if mp is not None and mp.master is not None else None
     for i, (name, p) in enumerate(model.named_parameters()):
         yield name, p, masters[i] if masters else p
@@ -39,7 +40,8 @@ def _sources(model, mp):
 def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | None:
     """Every rank calls it; rank 0 (of the world) gets the whole checkpoint, the others None."""
     weights, moments = {}, {}
-    zero = _zero_full_state(optimizer) if isinstance(optimizer, (ZeroOptimizer, Zero3)) else None  # flat shards
+    # flat shards
+    zero = _zero_full_state(optimizer) if isinstance(optimizer, (ZeroOptimizer, Zero3)) else None
     for i, (name, p, source) in enumerate(_sources(model, mp)):
         if zero:
             state = {k: v for k, v in zero[i].items() if k != "weight"} if zero[i]["step"] else {}
@@ -91,11 +93,13 @@ def load(path: str, cfg) -> dict:
 
 def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
     """Fill this rank's optimizer state from the checkpoint's full moments, cut as the rank's
-    parameters are; returns the steps done. (The weights were loaded into the full model already.)"""
+    parameters are; returns the steps done. (The weights were loaded into the full model
+    already.)"""
     cut = {}
     for name, p, source in _sources(model, mp):
         saved = checkpoint["optimizer"].get(name)
-        cut[name] = saved and {"step": saved["step"], **{k: block_of(saved[k], p, tp).to(source.device).clone()
+        cut[name] = saved and {"step": saved["step"],
+                               **{k: block_of(saved[k], p, tp).to(source.device).clone()
                                                          for k in ("exp_avg", "exp_avg_sq")}}
     if isinstance(optimizer, (ZeroOptimizer, Zero3)):  # ZeRO: flattened into its shards
         _zero_load(optimizer, [cut[name] for name, _ in model.named_parameters()])
@@ -103,24 +107,30 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
     for name, p, source in _sources(model, mp):
         if cut[name]:
             optimizer.state[source] = {"step": torch.tensor(cut[name]["step"], dtype=torch.float32),
-                                       **{k: cut[name][k].to(source.dtype) for k in ("exp_avg", "exp_avg_sq")}}
+                                       **{k: cut[name][k].to(source.dtype)
+                                          for k in ("exp_avg", "exp_avg_sq")}}
     return checkpoint["steps_done"]
 
 
 # ----------------------------------------------------------------------------- ZeRO's flat shards
-#
-# ZeRO-1/2 keep one flat buffer, ZeRO-3 one per unit (module); each rank holds a shard of it, its fp32
-# master (mixed precision) and AdamW's moments for the pieces of parameters that fall in the shard.
+# 
+# ZeRO-1/2 keep one flat buffer, ZeRO-3 one per unit (module); each rank holds a shard of it, its
+# fp32 master (mixed precision) and AdamW's moments for the pieces of parameters that fall in the
+# shard.
 
 
 def _flats(zero) -> list:
-    """(layout, shard) of each flat buffer, in parameter order: one for ZeRO-1/2, a unit's each for ZeRO-3."""
-    return [(unit.layout, unit.mine) for unit in zero.units] if isinstance(zero, Zero3) else [(zero.layout, zero.mine)]
+    """(layout, shard) of each flat buffer, in parameter order: one for ZeRO-1/2, a unit's each for
+    ZeRO-3."""
+    if isinstance(zero, Zero3):
+        return [(unit.layout, unit.mine) for unit in zero.units]
+    return [(zero.layout, zero.mine)]
 
 
 def _zero_full_state(zero) -> list[dict]:
-    """Each parameter's fp32 weight and AdamW state, whole, in the model's parameter order (a collective:
-    the shards are gathered with the backend's all-gather, not counted as training traffic)."""
+    """Each parameter's fp32 weight and AdamW state, whole, in the model's parameter order (a
+    collective: the shards are gathered with the backend's all-gather, not counted as training
+    traffic)."""
     states = []
     for layout, mine in _flats(zero):
         shards = {"weight": (mine.master if mine.master is not None else mine.params).float()}
@@ -129,13 +139,16 @@ def _zero_full_state(zero) -> list[dict]:
             for piece, a, b in mine.pieces:
                 if piece in mine.optimizer.state:
                     shards[key][a:b] = mine.optimizer.state[piece][key]
-        step = torch.tensor([max([float(s["step"]) for s in mine.optimizer.state.values()] or [0.0])])
+        step = torch.tensor([max([float(s["step"]) for s in mine.optimizer.state.values()]
+                                 or [0.0])])
         full = {}
         for key, shard in shards.items():
             full[key] = shard.clone()
             if zero.size > 1:
-                full[key] = torch.empty(zero.size * shard.numel(), dtype=shard.dtype, device=shard.device)
-                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+                full[key] = torch.empty(zero.size * shard.numel(), dtype=shard.dtype,
+                                        device=shard.device)
+                # torch < 2.13
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                 gather(full[key], shard.contiguous(), group=zero.group)
         if zero.size > 1:  # a rank whose shard is all padding has no state
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=zero.group)
@@ -151,8 +164,10 @@ def _zero_load(zero, moments: list[dict | None]) -> None:
     step = next(m["step"] for m in moments if m)
     for layout, mine in _flats(zero):
         mine_moments, moments = moments[:len(layout.shapes)], moments[len(layout.shapes):]
-        flat = {k: layout.flatten([m[k] if m else None for m in mine_moments], torch.float32)[layout.lo:layout.hi]
+        flat = {k: layout.flatten([m[k] if m else None for m in mine_moments],
+                                  torch.float32)[layout.lo:layout.hi]
                 for k in ("exp_avg", "exp_avg_sq")}
         for piece, a, b in mine.pieces:
             mine.optimizer.state[piece] = {"step": torch.tensor(step, dtype=torch.float32),
-                                           **{k: v[a:b].clone().to(piece.dtype) for k, v in flat.items()}}
+                                           **{k: v[a:b].clone().to(piece.dtype) for k,
+                                              v in flat.items()}}

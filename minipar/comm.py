@@ -7,7 +7,8 @@ large messages: cut the tensor into N chunks, pass chunks around the ring of N r
 carries the same traffic at the same time, so the time does not grow with N.
 
     reduce-scatter: N-1 steps; at each, every rank sends one chunk to its right neighbour and adds
-                    the chunk it receives from its left one. Afterwards rank r holds the sum of chunk r.
+                    the chunk it receives from its left one. Afterwards rank r holds the sum of
+                    chunk r.
     all-gather:     N-1 steps of passing the finished chunks on, without adding.
     all-reduce:     reduce-scatter, then all-gather.
 
@@ -15,7 +16,8 @@ Cost per rank, for a tensor of S bytes in a group of N ranks (chunks as `torch.t
 them, so any length works; the uneven remainder moves the figures by at most one element a step):
     reduce-scatter  sends (N-1)/N * S        all-gather (of an S/N-byte input)  sends (N-1)/N * S
     all-reduce      sends 2(N-1)/N * S       broadcast (chain)  sends S, except the last rank: 0
-Time ~ steps * latency + bytes / bandwidth, so the ring is bandwidth-optimal but pays 2(N-1) latencies.
+Time ~ steps * latency + bytes / bandwidth, so the ring is bandwidth-optimal but pays 2(N-1)
+latencies.
 Memory: reduce-scatter and all-reduce receive partial sums into (N-1)/N * S of scratch space: fresh
 for each call, or a `Scratch` that the caller owns and passes, which keeps it for the next call;
 nothing else beyond the results.
@@ -60,7 +62,8 @@ def _record(stats: CommStats | None, kind: str, nbytes: int = 0, calls: int = 0)
 
 
 def ring_schedule(n: int, phase: str) -> list[list[tuple[int, int]]]:
-    """For each of the n-1 steps, for each rank, (chunk sent to the right, chunk received from the left).
+    """For each of the n-1 steps, for each rank, (chunk sent to the right, chunk received from the
+    left).
 
     phase "reduce-scatter": rank r receives chunk r at the last step, so it ends owning chunk r.
     phase "all-gather":     rank r starts owning chunk r and passes on what it last received.
@@ -68,7 +71,8 @@ def ring_schedule(n: int, phase: str) -> list[list[tuple[int, int]]]:
     shift = 1 if phase == "reduce-scatter" else 0
     if phase not in ("reduce-scatter", "all-gather"):
         raise ValueError(f"phase must be 'reduce-scatter' or 'all-gather', got {phase!r}")
-    return [[((r - s - shift) % n, (r - s - shift - 1) % n) for r in range(n)] for s in range(n - 1)]
+    return [[((r - s - shift) % n, (r - s - shift - 1) % n) for r in range(n)]
+            for s in range(n - 1)]
 
 
 # ----------------------------------------------------------------------------- point-to-point
@@ -76,7 +80,8 @@ def ring_schedule(n: int, phase: str) -> list[list[tuple[int, int]]]:
 
 def _group_info(group) -> tuple[int, int, list[int]]:
     """(rank in group, group size, global ranks of the group) for `group` (None: the world)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    world = list(range(dist.get_world_size()))
+    ranks = dist.get_process_group_ranks(group) if group is not None else world
     return dist.get_rank(group), len(ranks), ranks
 
 
@@ -117,9 +122,9 @@ def _posts_ahead(group) -> bool:
 
     gloo moves a message only once its receiver has posted the receive, and matches them on a
     background thread: posting every receive up front means no step waits on that handshake, and a
-    late rank does not hold up its neighbours. NCCL instead runs the sends and receives with one peer
-    in order on one stream, where an early receive would block the send queued behind it (a deadlock
-    with 2 ranks): there each step's send and receive go out together as one group.
+    late rank does not hold up its neighbours. NCCL instead runs the sends and receives with one
+    peer in order on one stream, where an early receive would block the send queued behind it (a
+    deadlock with 2 ranks): there each step's send and receive go out together as one group.
     """
     return dist.get_backend(group) == "gloo"
 
@@ -127,10 +132,10 @@ def _posts_ahead(group) -> bool:
 class Scratch:
     """Receive space that its owner keeps between calls, by (dtype, device), grown when needed.
 
-    Why keep it: a fresh tensor of tens of MB costs a page fault per 4 KB page on first touch, which on
-    a CPU takes longer than the additions the space is for (measured: 32 MB, 11 ms fresh vs 3 ms reused).
-    One owner, one thread at a time (DataParallelBucket's communication thread, ZeRO's, a TP group's
-    forward and backward): two calls in flight on one Scratch would share its space.
+    Why keep it: a fresh tensor of tens of MB costs a page fault per 4 KB page on first touch, which
+    on a CPU takes longer than the additions the space is for (measured: 32 MB, 11 ms fresh vs 3 ms
+    reused). One owner, one thread at a time (DataParallelBucket's communication thread, ZeRO's, a
+    TP group's forward and backward): two calls in flight on one Scratch would share its space.
     """
 
     def __init__(self):
@@ -209,8 +214,10 @@ def all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
     (scratch: unused, the chunks arrive in place; taken so that the three collectives are alike.)"""
     _record(stats, "all_gather", calls=1)
     rank, n, _ = _group_info(group)
-    piece = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()  # 0-dim: out is (n,)
-    out = torch.empty((n * piece.shape[0], *piece.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    # 0-dim: out is (n,)
+    piece = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    out = torch.empty((n * piece.shape[0], *piece.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
     chunks = out.chunk(n)
     chunks[rank].copy_(piece)
     if n > 1:
@@ -266,7 +273,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8,
     return tensor
 
 
-# ----------------------------------------------------------------------------- the backend's, side by side
+# ----------------------------------------------------------------------------- the backend's, side
+# by side
 
 
 def nominal(stats: CommStats | None, kind: str, n: int, nbytes: int) -> None:
@@ -287,9 +295,11 @@ def torch_reduce_scatter(tensor: torch.Tensor, group=None, stats: CommStats | No
                          scratch=None) -> torch.Tensor:
     """torch.distributed's reduce-scatter along dim 0 (its length must divide by the group size)."""
     n = dist.get_world_size(group)
-    out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
     nominal(stats, "reduce_scatter", n, tensor.numel() * tensor.element_size())
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+    # torch < 2.13
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(out, tensor.contiguous(), group=group)
     return out
 
@@ -298,9 +308,11 @@ def torch_all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None =
                      scratch=None) -> torch.Tensor:
     """torch.distributed's all-gather along dim 0 (every rank's tensor of the same shape)."""
     n = dist.get_world_size(group)
-    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
     nominal(stats, "all_gather", n, out.numel() * out.element_size())
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    # torch < 2.13
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(out, tensor.contiguous(), group=group)
     return out
 

@@ -28,79 +28,110 @@ def _one_of(name: str, value, choices) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = 1                      # data-parallel replicas; each takes global_batch / dp rows (or dp_shares)
-    tp: int = 1                      # tensor-parallel ranks per layer (Megatron); innermost in the grid
+    dp: int = 1                      # data-parallel replicas; each takes global_batch / dp rows (or
+                                     #   dp_shares)
+    tp: int = 1                      # tensor-parallel ranks per layer (Megatron); innermost in the
+                                     #   grid
     pp: int = 1                      # pipeline stages
-    zero: int = 0                    # ZeRO stage over the DP group: 0 none, 1 optimizer, 2 +grads, 3 +params
-    microbatches: int = 1            # per DP rank: pipeline micro-batches, or accumulation steps when pp = 1
+    zero: int = 0                    # ZeRO stage over the DP group: 0 none, 1 optimizer, 2 +grads,
+                                     #   3 +params
+    microbatches: int = 1            # per DP rank: pipeline micro-batches, or accumulation steps
+                                     #   when pp = 1
     schedule: str = "1f1b"           # pipeline schedule, one of SCHEDULES
-    virtual_stages: int = 1          # model chunks per pipeline rank (> 1 only for "interleaved-1f1b")
-    sequence_parallel: bool = False  # shard LayerNorm/dropout activations along the sequence (needs tp > 1)
-    precision: str = "fp32"          # "fp32"; "bf16" 16-bit weights, fp32 masters; "fp16" + loss scaling;
-                                     #   "pure-bf16" no masters (the contrast)
-    recompute: str = "none"          # activation recomputation: "none", "selective" (attention), "full"
-    dp_mode: str = "bucketed"        # gradient all-reduce: "naive" (one per parameter, after backward) or
-                                     #   "bucketed" (overlapped with backward)
+    virtual_stages: int = 1          # model chunks per pipeline rank (> 1 only for
+                                     #   "interleaved-1f1b")
+    sequence_parallel: bool = False  # shard LayerNorm/dropout activations along the sequence (needs
+                                     #   tp > 1)
+    precision: str = "fp32"          # "fp32"; "bf16" 16-bit weights, fp32 masters; "fp16" + loss
+                                     #   scaling; "pure-bf16" no masters (the contrast)
+    recompute: str = "none"          # activation recomputation: "none", "selective" (attention),
+                                     #   "full"
+    dp_mode: str = "bucketed"        # gradient all-reduce: "naive" (one per parameter, after
+                                     #   backward) or "bucketed" (overlapped with backward)
     bucket_mb: float = 25.0          # bucket size in MiB for "bucketed" (DDP's default is 25)
-    collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring) or "torch" (the backend's)
-    reduce_fp32: bool = True         # 16-bit precisions under DP: all-reduce the fp32 master gradients (True)
-                                     #   or the 16-bit ones, in buckets (half the bytes, 16-bit sums)
-    stage_layers: tuple | None = None  # layers of each pipeline chunk, in chunk order (pp * virtual_stages
-                                     #   of them, each >= 1, summing to n_layer): uneven, e.g. the planner's
-                                     #   split for stages of different speed; None: as even as possible
-    dp_shares: tuple | None = None   # rows of the global batch each DP rank takes a step (dp of them, each
-                                     #   >= 1 and divisible by microbatches, summing to global_batch); the
-                                     #   gradient average is weighted by them. None: global_batch / dp each
+    collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring) or "torch" (the
+                                     #   backend's)
+    reduce_fp32: bool = True         # 16-bit precisions under DP: all-reduce the fp32 master
+                                     #   gradients (True) or the 16-bit ones, in buckets (half the
+                                     #   bytes, 16-bit sums)
+    stage_layers: tuple | None = None  # layers of each pipeline chunk, in chunk order (pp *
+                                       #   virtual_stages
+                                     #   of them, each >= 1, summing to n_layer): uneven, e.g. the
+                                     #   planner's split for stages of different speed; None: as
+                                     #   even as possible
+    dp_shares: tuple | None = None   # rows of the global batch each DP rank takes a step (dp of
+                                     #   them, each >= 1 and divisible by microbatches, summing to
+                                     #   global_batch); the gradient average is weighted by them.
+                                     #   None: global_batch / dp each
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
-        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or self.zero not in (0, 1,
+                                                                                              2, 3):
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("recompute", self.recompute, RECOMPUTE)
         _one_of("dp_mode", self.dp_mode, DP_MODES)
         _one_of("collectives", self.collectives, COLLECTIVES)
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
-            raise ValueError(f"ParallelConfig.bucket_mb must be a positive number, got {self.bucket_mb!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb,
+                                                              (int,
+                                                               float)) or not self.bucket_mb > 0:
+            raise ValueError("ParallelConfig.bucket_mb must be a positive number, got "
+                             f"{self.bucket_mb!r}")
         if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"ParallelConfig.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+            raise ValueError("ParallelConfig.sequence_parallel must be True or False, got "
+                             f"{self.sequence_parallel!r}")
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1: it cuts what tensor "
+            raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1: it cuts what "
+                             "tensor "
                              "parallelism replicates")
         if self.sequence_parallel and self.zero == 3:
-            raise ValueError("ParallelConfig.zero=3 does not combine with sequence_parallel: ZeRO-3 reduce-"
-                             "scatters each unit's gradients during backward, before the partial gradients of "
-                             "the sequence-sharded LayerNorms are summed over the TP group; use zero <= 2")
+            raise ValueError("ParallelConfig.zero=3 does not combine with sequence_parallel: "
+                             "ZeRO-3 reduce-"
+                             "scatters each unit's gradients during backward, before the partial "
+                             "gradients of "
+                             "the sequence-sharded LayerNorms are summed over the TP group; use "
+                             "zero <= 2")
         if not isinstance(self.reduce_fp32, bool):
-            raise ValueError(f"ParallelConfig.reduce_fp32 must be True or False, got {self.reduce_fp32!r}")
+            raise ValueError("ParallelConfig.reduce_fp32 must be True or False, got "
+                             f"{self.reduce_fp32!r}")
         if not self.reduce_fp32 and self.precision not in ("bf16", "fp16"):
-            raise ValueError(f"ParallelConfig.reduce_fp32=False needs precision 'bf16' or 'fp16' (fp32 masters "
+            raise ValueError("ParallelConfig.reduce_fp32=False needs precision 'bf16' or 'fp16' "
+                             "(fp32 masters "
                              f"to reduce instead of), got {self.precision!r}")
         self._check_split("stage_layers", self.pp * self.virtual_stages, "pp * virtual_stages")
         self._check_split("dp_shares", self.dp, "dp")
         if self.dp_shares and any(share % self.microbatches for share in self.dp_shares):
-            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must each divide by microbatches "
-                             f"({self.microbatches}): every DP rank cuts its rows into that many micro-batches")
+            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must each divide by "
+                             "microbatches "
+                             f"({self.microbatches}): every DP rank cuts its rows into that many "
+                             "micro-batches")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
-            raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b', "
+            raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs "
+                             "schedule='interleaved-1f1b', "
                              f"got {self.schedule!r}")
 
     def _check_split(self, name: str, length: int, rule: str) -> None:
-        """stage_layers, dp_shares: None, or a tuple (a list is taken as one) of `length` positive integers."""
+        """stage_layers, dp_shares: None, or a tuple (a list is taken as one) of `length` positive
+        integers."""
         value = getattr(self, name)
         if value is None:
             return
         if isinstance(value, list):
             value = tuple(value)
             object.__setattr__(self, name, value)  # frozen: a tuple keeps the config hashable
-        if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if not isinstance(value,
+                          tuple) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                            and v >= 1
                                                    for v in value):
-            raise ValueError(f"ParallelConfig.{name} must be None or a tuple of positive integers, got {value!r}")
+            raise ValueError(f"ParallelConfig.{name} must be None or a tuple of positive integers, "
+                             f"got {value!r}")
         if len(value) != length:
             what = "chunk" if name == "stage_layers" else "DP rank"
-            raise ValueError(f"ParallelConfig.{name} needs one value per {what}: {rule} = {length} of them, "
+            raise ValueError(f"ParallelConfig.{name} needs one value per {what}: {rule} = {length} "
+                             "of them, "
                              f"got {len(value)}")
 
     @property
@@ -109,7 +140,8 @@ class ParallelConfig:
 
     @property
     def label(self) -> str:
-        """The fields that differ from the defaults, e.g. "dp=2 microbatches=4" ("single process" if none)."""
+        """The fields that differ from the defaults, e.g. "dp=2 microbatches=4" ("single process" if
+        none)."""
         default = ParallelConfig()
         changed = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                    if getattr(self, f.name) != getattr(default, f.name)]
@@ -119,7 +151,8 @@ class ParallelConfig:
         return dataclasses.replace(self, **changes)
 
     def dp_rows(self, global_batch: int) -> list[int]:
-        """Rows of the global batch each DP rank takes a step: dp_shares, or global_batch / dp each."""
+        """Rows of the global batch each DP rank takes a step: dp_shares, or global_batch / dp
+        each."""
         return list(self.dp_shares) if self.dp_shares else [global_batch // self.dp] * self.dp
 
     def check(self, cfg, global_batch: int) -> None:
@@ -127,26 +160,33 @@ class ParallelConfig:
         if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
             raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
         if self.dp_shares and sum(self.dp_shares) != global_batch:
-            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must sum to global_batch ({global_batch}), "
+            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must sum to global_batch "
+                             f"({global_batch}), "
                              f"not {sum(self.dp_shares)}")
         if not self.dp_shares and global_batch % (self.dp * self.microbatches):
             raise ValueError(f"global_batch ({global_batch}) must divide by dp * microbatches "
                              f"({self.dp} * {self.microbatches} = {self.dp * self.microbatches})")
         if cfg.n_head % self.tp:
-            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's n_head ({cfg.n_head})")
+            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's n_head "
+                             f"({cfg.n_head})")
         if cfg.vocab_size % self.tp:
-            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's vocab_size ({cfg.vocab_size})")
+            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's vocab_size "
+                             f"({cfg.vocab_size})")
         if self.pp * self.virtual_stages > cfg.n_layer:
-            raise ValueError(f"pp * virtual_stages ({self.pp} * {self.virtual_stages}) must not exceed the "
+            raise ValueError(f"pp * virtual_stages ({self.pp} * {self.virtual_stages}) must not "
+                             "exceed the "
                              f"model's n_layer ({cfg.n_layer}): every stage needs a layer")
         if self.stage_layers and sum(self.stage_layers) != cfg.n_layer:
-            raise ValueError(f"ParallelConfig.stage_layers {self.stage_layers} must sum to the model's n_layer "
+            raise ValueError(f"ParallelConfig.stage_layers {self.stage_layers} must sum to the "
+                             "model's n_layer "
                              f"({cfg.n_layer}), not {sum(self.stage_layers)}")
-        if self.pp > 1:  # the schedule's own rules (micro-batches a schedule needs...), named for this config
+        if self.pp > 1:  # the schedule's own rules (micro-batches a schedule needs...), named for
+                         #   this config
             from minipar.pipeline.schedules import validate
             try:
                 validate(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ValueError as e:
                 raise ValueError(f"ParallelConfig (pp = stages = {self.pp}): {e}") from None
         if self.sequence_parallel and cfg.seq_len % self.tp:
-            raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp ({self.tp})")
+            raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp "
+                             f"({self.tp})")

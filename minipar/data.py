@@ -30,7 +30,8 @@ class CharTokenizer:
     vocab_size = 96
 
     def encode(self, text: str) -> torch.Tensor:
-        ids = [0 if c == "\n" else ord(c) - 31 if 32 <= ord(c) <= 126 else ord("?") - 31 for c in text]
+        ids = [0 if c == "\n" else ord(c) - 31 if 32 <= ord(c) <= 126 else ord("?") - 31
+               for c in text]
         return torch.tensor(ids, dtype=torch.int64)
 
     def decode(self, ids) -> str:
@@ -41,12 +42,14 @@ class CharTokenizer:
 def corpus_tokens() -> torch.Tensor:
     """The bundled corpus as token ids (read and encoded once per process)."""
     if not CORPUS.exists():
-        raise FileNotFoundError(f"bundled corpus missing: {CORPUS} (make it with data/prepare_shakespeare.py)")
+        raise FileNotFoundError(f"bundled corpus missing: {CORPUS} (make it with "
+                                "data/prepare_shakespeare.py)")
     return CharTokenizer().encode(CORPUS.read_text(encoding="ascii"))
 
 
 def global_batch(source: str, step: int, batch: int, seq_len: int, vocab_size: int, seed: int = 0):
-    """(inputs, targets) of step `step`: two int64 tensors (batch, seq_len), targets shifted by one."""
+    """(inputs, targets) of step `step`: two int64 tensors (batch, seq_len), targets shifted by
+    one."""
     if source not in SOURCES:
         raise ValueError(f"data must be one of {SOURCES}, got {source!r}")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -64,19 +67,24 @@ def global_batch(source: str, step: int, batch: int, seq_len: int, vocab_size: i
 
 
 def shard(rows: torch.Tensor, dp_rank: int, dp: int, microbatch: int = 0, microbatches: int = 1):
-    """This DP rank's micro-batch `microbatch` of a global batch: contiguous rows, equal sizes, a copy."""
+    """This DP rank's micro-batch `microbatch` of a global batch: contiguous rows, equal sizes, a
+    copy."""
     if rows.shape[0] % (dp * microbatches):
-        raise ValueError(f"global batch {rows.shape[0]} does not divide by dp*microbatches = {dp * microbatches}")
+        raise ValueError(f"global batch {rows.shape[0]} does not divide by dp*microbatches = "
+                         f"{dp * microbatches}")
     per_mb = rows.shape[0] // (dp * microbatches)
     start = (dp_rank * microbatches + microbatch) * per_mb
     return rows[start: start + per_mb].clone()  # its own storage: a view would keep the whole batch
 
 
-def shard_rows(rows: torch.Tensor, start: int, count: int, microbatch: int = 0, microbatches: int = 1):
-    """Uneven data parallelism (ParallelConfig.dp_shares): micro-batch `microbatch` of the `count` rows
-    from `start` that one DP rank takes, cut into `microbatches` equal micro-batches; a copy."""
+def shard_rows(rows: torch.Tensor, start: int, count: int, microbatch: int = 0,
+               microbatches: int = 1):
+    """Uneven data parallelism (ParallelConfig.dp_shares): micro-batch `microbatch` of the `count`
+    rows from `start` that one DP rank takes, cut into `microbatches` equal micro-batches; a
+    copy."""
     if count % microbatches or start < 0 or start + count > rows.shape[0]:
-        raise ValueError(f"rows [{start}, {start + count}) of a batch of {rows.shape[0]} do not cut into "
+        raise ValueError(f"rows [{start}, {start + count}) of a batch of {rows.shape[0]} do not "
+                         "cut into "
                          f"{microbatches} equal micro-batches")
     per_mb = count // microbatches
     return rows[start + microbatch * per_mb: start + (microbatch + 1) * per_mb].clone()

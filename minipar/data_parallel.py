@@ -8,19 +8,20 @@ Simplest first, two classes:
                reverse order, the order backward produces their gradients). A full bucket is
                all-reduced asynchronously while backward goes on with the earlier layers; the
                optimizer step waits for every bucket.
-  accumulation inside `no_sync()` the hooks do nothing: with M micro-batches, gradients add up locally
+  accumulation inside `no_sync()` the hooks do nothing: with M micro-batches, gradients add up
+  locally
                and only the last micro-step communicates.
 
-The all-reduce is minipar's ring (`comm.all_reduce`, run on a communication thread so it overlaps) or
-the backend's (`dist.all_reduce(async_op=True)`). Either way the ranks launch buckets in the same
+The all-reduce is minipar's ring (`comm.all_reduce`, run on a communication thread so it overlaps)
+or the backend's (`dist.all_reduce(async_op=True)`). Either way the ranks launch buckets in the same
 order (bucket i only after buckets < i), as collectives must be matched across ranks.
 
 Cost per rank, for P parameters with G = 4P gradient bytes (fp32) and N ranks:
   memory         the whole model: 4P params + 4P grads + 8P Adam moments, + G of buckets (bucketed)
   communication  2(N-1)/N * G bytes sent a step (ring), in P_tensors messages (naive) or
                  ceil(G / bucket_bytes) messages (bucketed, about); none on non-final micro-steps
-  time           naive: backward + all of the all-reduce; bucketed: backward + only the last bucket's
-                 all-reduce, if the ones before finished under the rest of backward
+  time           naive: backward + all of the all-reduce; bucketed: backward + only the last
+                 bucket's all-reduce, if the ones before finished under the rest of backward
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from minipar import comm
 
 
 class _Bucket:
-    """A flat gradient buffer for a run of parameters, and how many of their gradients have arrived."""
+    """A flat gradient buffer for a run of parameters, and how many of their gradients have
+    arrived."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
@@ -67,7 +69,8 @@ class DataParallelNaive:
         self.size = dist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sync = True
-        self.timeline: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter seconds
+        self.timeline: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter
+                                                            #   seconds
         self.buckets: list[_Bucket] = []
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
@@ -91,7 +94,8 @@ class DataParallelNaive:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally inside the block: no communication (gradient accumulation)."""
+        """Accumulate gradients locally inside the block: no communication (gradient
+        accumulation)."""
         self.sync = False
         try:
             yield

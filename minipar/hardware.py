@@ -1,7 +1,8 @@
 """What the device can do: its peak FLOP/s, the denominator of MFU.
 
-GPUs: the vendor's dense peak for the dtype (docs/references.md, "Accelerators and links"). CPUs publish no useful peak, so we
-measure one, once per process, with a square matmul (the best case for a CPU, as for a GPU).
+GPUs: the vendor's dense peak for the dtype (docs/references.md, "Accelerators and links"). CPUs
+publish no useful peak, so we measure one, once per process, with a square matmul (the best case for
+a CPU, as for a GPU).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ GPU_PEAKS = {  # dense tensor-core peaks, FLOP/s, for bf16/fp16 (fp32 runs as TF
 
 @functools.lru_cache(maxsize=None)
 def peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """Peak FLOP/s of one `device` ("cpu" or "cuda") for matmuls in `dtype`: published, else measured."""
+    """Peak FLOP/s of one `device` ("cpu" or "cuda") for matmuls in `dtype`: published, else
+    measured."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
         for key, peak in GPU_PEAKS.items():

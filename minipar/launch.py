@@ -1,7 +1,8 @@
 """Start N worker processes with torch.distributed initialised, and bring back what they return.
 
-`launch(fn, world_size, *args)` runs `fn(*args)` on every rank and returns the results by rank. It is
-what notebooks, scripts and tests call, so it takes care of what makes multi-process code painful:
+`launch(fn, world_size, *args)` runs `fn(*args)` on every rank and returns the results by rank. It
+is what notebooks, scripts and tests call, so it takes care of what makes multi-process code
+painful:
 
 - backend: gloo on CPU, NCCL when there is one GPU per rank;
 - rendezvous: the caller hosts the TCPStore on a free port of 127.0.0.1 (no port race);
@@ -48,12 +49,14 @@ class WorkerTimeout(TimeoutError):
 
 
 def pick_backend(backend: str, world_size: int) -> str:
-    """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and a job of `world_size` local ranks."""
+    """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and a job of `world_size` local
+    ranks."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, GPUs={gpus}")
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, "
+                         f"GPUs={gpus}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     return backend
@@ -80,8 +83,10 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     if torchrun_rank() is not None:
         return _join_torchrun(fn, world_size, args, kwargs, backend, timeout)
-    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
-        raise ValueError(f"fn {fn.__qualname__!r} is defined in a notebook or REPL; worker processes can "
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"],
+                                                                     "__file__"):
+        raise ValueError(f"fn {fn.__qualname__!r} is defined in a notebook or REPL; worker "
+                         "processes can "
                          "only import functions from a module: move it into a .py file")
     backend = pick_backend(backend, world_size)
     ctx = _forkserver()
@@ -133,14 +138,17 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
     while len(done) < len(procs):
         left = deadline - time.monotonic()
         if failed and (not pending or time.monotonic() > first_failure + grace):
-            rank, (_, what) = min(failed.items(), key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
+            rank, (_, what) = min(failed.items(),
+                                  key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
             _drain(outputs)
             raise WorkerError(f"rank {rank} of {len(procs)} {what} (the others were stopped)")
         if left <= 0:
             unfinished = [r for r in range(len(procs)) if r not in done]
             _dump_stacks(procs, unfinished, outputs)
-            stacks = "\n".join(f"--- rank {r} ---\n" + "\n".join(outputs[r].tail) for r in unfinished)
-            raise WorkerTimeout(f"job did not finish in {timeout:g} s; ranks {unfinished} were still "
+            stacks = "\n".join(f"--- rank {r} ---\n" + "\n".join(outputs[r].tail)
+                               for r in unfinished)
+            raise WorkerTimeout(f"job did not finish in {timeout:g} s; ranks {unfinished} were "
+                                "still "
                                 f"running, their last output and stacks:\n{stacks}")
         for obj in _wait(pending, outputs, timeout=min(left, grace if failed else 1.0)):
             rank = pending.pop(obj)
@@ -150,7 +158,8 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
                 procs[rank].join(1.0)
                 _drain(outputs)
                 status, when = "died", time.time()
-                payload = (f"exit code {procs[rank].exitcode} (killed, or os._exit); its last output:\n"
+                payload = (f"exit code {procs[rank].exitcode} (killed, or os._exit); its last "
+                           "output:\n"
                            + "\n".join(outputs[rank].tail))
             if status == "ok":
                 done[rank] = payload
@@ -163,7 +172,8 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
 
 def _peer_lost(text: str) -> bool:
     """Whether a failure reads as the echo of another rank's: its connection to a peer went away."""
-    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    return any(sign in text
+               for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
 class _Output:
@@ -191,7 +201,8 @@ class _Output:
 
 
 def _wait(conns: dict, outputs: dict, timeout: float) -> list:
-    """Wait on result pipes and open output pipes; echo output that arrives; return ready results."""
+    """Wait on result pipes and open output pipes; echo output that arrives; return ready
+    results."""
     live = {o.conn: o for o in outputs.values() if o.open}
     ready = mp.connection.wait([*conns, *live], timeout=timeout)
     for conn in ready:
@@ -201,7 +212,8 @@ def _wait(conns: dict, outputs: dict, timeout: float) -> list:
 
 
 def _drain(outputs: dict, wait: float = 0.2) -> None:
-    """Echo what the ranks still have to say, for up to `wait` seconds (a failing rank's last words)."""
+    """Echo what the ranks still have to say, for up to `wait` seconds (a failing rank's last
+    words)."""
     end = time.monotonic() + wait
     while any(o.open for o in outputs.values()) and time.monotonic() < end:
         _wait({}, outputs, end - time.monotonic())
@@ -231,7 +243,8 @@ def _stop(procs, grace: float = 2.0) -> None:
 # ----------------------------------------------------------------------------- inside a worker
 
 
-def _worker(fn, args, kwargs, rank, world_size, backend, port, timeout, threads, caller, result_w, out_w):
+def _worker(fn, args, kwargs, rank, world_size, backend, port, timeout, threads, caller, result_w,
+            out_w):
     os.dup2(out_w.fileno(), 1)
     os.dup2(out_w.fileno(), 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -273,7 +286,8 @@ def _join_torchrun(fn, world_size, args, kwargs, backend, timeout):
     """Under torchrun this process is one rank: join the job, run fn, gather every rank's result."""
     env_world = int(os.environ["WORLD_SIZE"])
     if world_size != env_world:
-        raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world} processes")
+        raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world} "
+                         "processes")
     local = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = pick_backend(backend, local_world)

@@ -1,4 +1,5 @@
-"""Memory per rank, by category: params, grads, optimizer, activations, comm; measured and predicted.
+"""Memory per rank, by category: params, grads, optimizer, activations, comm; measured and
+predicted.
 
 Persistent state is counted exactly, as the bytes of the tensors that hold it. Activations are what
 autograd saves for the backward pass: `ActivationMeter` watches every tensor saved during forward
@@ -61,17 +62,19 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()), is not an activation
-        if isinstance(base, torch.nn.Parameter):  # (a pipeline stage's input is a leaf, and an activation)
+        base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()), is not an
+                                                  #   activation
+        if isinstance(base, torch.nn.Parameter):  # (a pipeline stage's input is a leaf, and an
+                                                  #   activation)
             return t
         if ptr not in self.live:
             self.live[ptr] = [0, storage.nbytes()]
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
         self.live[ptr][0] += 1
-        # autograd keeps what we return; a detached alias (same storage) holds no reference to the node
-        # saving it, where `t` itself, saved as its own node's output, would make a cycle that a
-        # retained graph (a pipeline's split backward) never frees
+        # autograd keeps what we return; a detached alias (same storage) holds no reference to the
+        # node saving it, where `t` itself, saved as its own node's output, would make a cycle that
+        # a retained graph (a pipeline's split backward) never frees
         saved = t.detach()
         weakref.finalize(saved, self._dropped, ptr, self.generation)
         return saved
@@ -97,7 +100,8 @@ class ActivationMeter:
 
 
 def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0) -> dict[str, int]:
-    """A rank's memory by category, in bytes, from the tensors it holds in each (each storage once)."""
+    """A rank's memory by category, in bytes, from the tensors it holds in each (each storage
+    once)."""
     return {
         "params": tensor_bytes(params),
         "grads": tensor_bytes(grads),
@@ -108,14 +112,16 @@ def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0)
 
 
 # ----------------------------------------------------------------------------- predicted
-#
+# 
 # The analytic model: the same categories, from the configuration alone, for one rank. Model states
 # follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3 and 5): Psi parameters at (params, grads,
 # optimizer) bytes each, the stage deciding which of the three is divided by N_d. Activations follow
-# Korthikanti et al. 2022 (Table 2), adjusted to what minipar's GPT really saves (see `activations`).
+# Korthikanti et al. 2022 (Table 2), adjusted to what minipar's GPT really saves (see
+# `activations`).
 
 FP32 = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights and grads, two fp32 Adam moments
-MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32 master + 2 moments
+MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32 master + 2
+                                                     #   moments
 PURE_BF16 = {"params": 2, "grads": 2, "optimizer": 4}  # no master: two bf16 moments
 
 
@@ -131,7 +137,8 @@ def element_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def model_states(psi: float, n_d: int, stage: int, bytes_per_param: dict | None = None) -> dict[str, float]:
+def model_states(psi: float, n_d: int, stage: int,
+                 bytes_per_param: dict | None = None) -> dict[str, float]:
     """The ZeRO paper's model states per device, bytes, for Psi parameters over N_d ranks, as the
     paper writes them (no padding; what zero.py allocates, padding included, is `rank_states`):
 
@@ -184,15 +191,18 @@ def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int) -> list[in
 
 
 def _shard(total: int, n: int, rank: int) -> tuple[int, int]:
-    """(shard length, real elements `rank` owns) of a flat buffer padded to n equal shards (zero.py)."""
+    """(shard length, real elements `rank` owns) of a flat buffer padded to n equal shards
+    (zero.py)."""
     shard = -(-total // n)
     return shard, max(0, min(total, (rank + 1) * shard) - rank * shard)
 
 
-def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1, sp: bool = False) -> float:
+def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1,
+                sp: bool = False) -> float:
     """The paper's activations for the l layers, bytes (Table 2, no recomputation), 16-bit:
 
-        no parallelism  sbh (34 + 5as/h)     TP  sbh (10 + 24/t + 5as/(ht))     TP+SP  sbh (34/t + 5as/(ht))
+        no parallelism  sbh (34 + 5as/h)     TP  sbh (10 + 24/t + 5as/(ht))     TP+SP  sbh (34/t +
+                        5as/(ht))
 
     Of the 34 sbh, 10 lie outside the tensor-parallel regions (replicated by TP, cut by SP): 8 of
     16-bit values (LayerNorm inputs, the regions' inputs) and 2 dropout masks of 1 byte an element;
@@ -231,16 +241,20 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
     keeps only the log-sum-exp and recomputes the probabilities in backward).
     Outside the layers:
         head     2 sbh e + 2 sb e  (ln_f's input, output and statistics; /t with SP)
-                 + 4 sbV + 4        (t = 1: F.cross_entropy's fp32 log-probabilities, its weight sum)
-                 + 4 sbV/t + 9 sb   (t > 1: the vocab-parallel softmax slice, local targets, their mask)
+                 + 4 sbV + 4        (t = 1: F.cross_entropy's fp32 log-probabilities, its weight
+                                    sum)
+                 + 4 sbV/t + 9 sb   (t > 1: the vocab-parallel softmax slice, local targets, their
+                                    mask)
         tokens   16 sb + 8 s        (t = 1: int64 input ids and targets, positions)
                  9 sb + 8 s         (t > 1: the embedding's local ids and mask, positions)
     """
     s, b, h, a, V = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head, cfg.vocab_size
     e, cut = element_bytes, t if sp else 1
-    loss, tokens = (4 * s * b * V + 4, 16 * s * b) if t == 1 else (4 * s * b * V // t + 9 * s * b, 9 * s * b)
+    loss, tokens = (4 * s * b * V + 4, 16 * s * b) if t == 1 else (4 * s * b * V // t + 9 * s * b,
+                                                                   9 * s * b)
     outside, inside = 4 * s * b * h * e + 4 * s * b * e, 12 * s * b * h * e + 4 * a * s * b
-    layer = {"none": outside // cut + inside // t, "selective": outside // cut + (inside - 4 * a * s * b) // t,
+    layer = {"none": outside // cut + inside // t,
+             "selective": outside // cut + (inside - 4 * a * s * b) // t,
              "full": s * b * h * e // cut}[recompute]
     return {"layers": cfg.n_layer * layer,
             "head": (2 * s * b * h * e + 2 * s * b * e) // cut + loss,
@@ -255,19 +269,20 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     bytes per parameter (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8)
     fp32, (2, 2, 12) mixed.
 
-      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer) | p Psi_pad/N (3)
+      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer) | p
+                 Psi_pad/N (3)
       grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
       optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
       activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches) (with dp_shares:
-                 this rank's share / microbatches), e = 4 in fp32 and 2 in 16-bit (a model held in 16
-                 bits, as precision.MixedPrecision makes it); with pp > 1 the schedule's peak over the
-                 micro-batches in flight (`stage_activations`)
+                 this rank's share / microbatches), e = 4 in fp32 and 2 in 16-bit (a model held in
+                 16 bits, as precision.MixedPrecision makes it); with pp > 1 the schedule's peak
+                 over the micro-batches in flight (`stage_activations`)
       comm       stage 0: the buckets, g Psi (bucketed, dp > 1) | 1: the reduce-scatter's output,
                  g Psi_pad/N | 2: 0 (that output is the gradient shard) | 3: the gathered units, at
                  most two adjacent ones at a time, p (full_i + full_{i+1}) at the largest pair
     Psi_pad is Psi padded to a multiple of N (stage 3: each unit padded on its own). Not counted, as
-    the measurement does not count them: the optimizer's step counters (4 bytes for each parameter, or
-    piece of one, that a rank updates) and transient buffers: the flat gradient a stage-1/2 step
+    the measurement does not count them: the optimizer's step counters (4 bytes for each parameter,
+    or piece of one, that a rank updates) and transient buffers: the flat gradient a stage-1/2 step
     reduce-scatters from (g Psi_pad), a unit's full gradients in stage 3, and in stage 2 the full
     gradients, which zero.py keeps from backward to the step (a production ZeRO-2 reduce-scatters
     them bucket by bucket during backward instead).
@@ -290,8 +305,10 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str,
     n, stage, psi = par.dp, par.zero, sum(sizes)
     shards = [_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
-    if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its masters' instead)
-        own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32  # else the masters'
+    if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its
+                      #   masters' instead)
+        # else the masters'
+        own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32
         bucketed = n > 1 and par.dp_mode == "bucketed" and own_grads
         comm = per["grads"] * psi if bucketed else 0
     elif stage == 1:  # the reduce-scatter's output
@@ -324,16 +341,19 @@ def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: i
     return pipeline_activations(cfg, par, micro_batch, element_bytes)[pp_rank]
 
 
-def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers: list[int] | None = None,
+def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
+                         layers: list[int] | None = None,
                          actions: tuple | None = None, extra_per_layer: int = 0) -> list[int]:
-    """Peak bytes saved for backward on each pipeline rank. One process: `activations`. A pipeline: walk
-    each rank's actions in the schedule's order; each F adds its chunk's activations of one micro-batch
-    (its layers; the ids and positions on the first chunk, ln_f, the loss and the targets on the last),
-    which stay until that micro-batch's backward (its W, if the schedule splits backward: B keeps the
-    graph for W). The peak is the schedule's memory, in bytes. layers: layers per chunk (default
-    `chunk_layers`); actions: the schedule's (default par's, `pipeline.cached_schedule`);
-    extra_per_layer: bytes a layer saves besides (the planner's materialised attention matrix)."""
-    parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp, par.sequence_parallel,
+    """Peak bytes saved for backward on each pipeline rank. One process: `activations`. A pipeline:
+    walk each rank's actions in the schedule's order; each F adds its chunk's activations of one
+    micro-batch (its layers; the ids and positions on the first chunk, ln_f, the loss and the
+    targets on the last), which stay until that micro-batch's backward (its W, if the schedule
+    splits backward: B keeps the graph for W). The peak is the schedule's memory, in bytes. layers:
+    layers per chunk (default `chunk_layers`); actions: the schedule's (default par's,
+    `pipeline.cached_schedule`); extra_per_layer: bytes a layer saves besides (the planner's
+    materialised attention matrix)."""
+    parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp,
+                        par.sequence_parallel,
                         par.recompute)
     per_layer = parts["layers"] + extra_per_layer
     if par.pp == 1:
@@ -341,9 +361,10 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers:
     chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
     layers = layers or chunk_layers(cfg, par)
     actions = actions or cached_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-    ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)  # targets: in "head"
-    # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes the
-    # head's output gradient in place, which W still holds)
+    # targets: in "head"
+    ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)
+    # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes
+    # the head's output gradient in place, which W still holds)
     loss = 4 * sb * cfg.vocab_size + 4 + targets if t == 1 else 9 * sb
     held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
@@ -364,7 +385,8 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int, layers:
 def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
     """Bytes one rank sends per step, {collective: bytes}, named as `comm.count` records them:
 
-      stage 0 (dp > 1)  all_reduce      2(N-1)/N g Psi          (ring; uneven chunks move it a few bytes)
+      stage 0 (dp > 1)  all_reduce      2(N-1)/N g Psi          (ring; uneven chunks move it a few
+                        bytes)
       stages 1, 2       reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  (N-1)/N p Psi_pad
       stage 3           reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  2 (N-1)/N p Psi_pad
                         (gathered before forward and again before backward: 3 Psi in all, 1.5x DP),

@@ -3,14 +3,15 @@
 Decoder-only transformer in the GPT-2 shape (Radford et al. 2019; the code follows nanoGPT):
 learned positions, pre-LayerNorm blocks, causal self-attention through
 `F.scaled_dot_product_attention`, a 4h GELU MLP, and an output head that is *not* tied to the token
-embedding (so the first and the last pipeline stage own separate weights). Two departures from GPT-2:
-the head is untied, and the key projection has no bias. A key bias adds the same q.b to every score
-of a row, which softmax ignores: its gradient is zero up to rounding, and Adam would turn that
+embedding (so the first and the last pipeline stage own separate weights). Two departures from
+GPT-2: the head is untied, and the key projection has no bias. A key bias adds the same q.b to every
+score of a row, which softmax ignores: its gradient is zero up to rounding, and Adam would turn that
 rounding into updates that differ between layouts (Whisper drops it for the same reason).
 
 Size, with h = d_model, l = n_layer, V = vocab_size, s = seq_len (biases and LayerNorms included):
     parameters  P = 12 l h^2 + 12 l h + 2 V h + s h + 2 h + V      (`GPTConfig.num_params`)
-    FLOPs per token, forward + backward, no recomputation (Korthikanti et al. 2022, eq. 7, per token):
+    FLOPs per token, forward + backward, no recomputation (Korthikanti et al. 2022, eq. 7, per
+    token):
                 72 l h^2 (1 + s/(6h) + V/(12 l h))                 (`GPTConfig.flops_per_token`)
 This file knows nothing about ranks; parallelism is applied from outside.
 """
@@ -50,7 +51,8 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
-            raise ValueError(f"GPTConfig.d_model ({self.d_model}) must divide by n_head ({self.n_head})")
+            raise ValueError(f"GPTConfig.d_model ({self.d_model}) must divide by n_head "
+                             f"({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -84,11 +86,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x):                                                    # (B, T, h)
-        q, k, v = (rearrange(lin(x), "b t (nh hd) -> b nh t hd", nh=self.n_head) for lin in (self.q, self.k, self.v))
+        q, k, v = (rearrange(lin(x), "b t (nh hd) -> b nh t hd", nh=self.n_head)
+                   for lin in (self.q, self.k, self.v))
         return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))  # (B, T, h)
 
-    def core(self, q, k, v):  # (B, nh, T, hd) each -> (B, nh, T, hd): causal softmax(q k^T / sqrt(hd)) v
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+    def core(self, q, k, v):  # (B, nh, T, hd) each -> (B, nh, T, hd): causal softmax(q k^T /
+                              #   sqrt(hd)) v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -148,7 +153,8 @@ class GPT(nn.Module):
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over every position: logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(rearrange(logits, "b t v -> (b t) v").float(), rearrange(targets, "b t -> (b t)"))
+    return F.cross_entropy(rearrange(logits, "b t v -> (b t) v").float(),
+                           rearrange(targets, "b t -> (b t)"))
 
 
 @torch.no_grad()

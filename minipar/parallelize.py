@@ -2,9 +2,11 @@
 
 `parallelize` applies each technique from outside the model, in this order, and the order matters:
 
-  1. tensor parallelism  cuts every matrix of the full model. It goes first: it replaces modules, and
+  1. tensor parallelism  cuts every matrix of the full model. It goes first: it replaces modules,
+     and
                          everything after holds references to the modules and parameters it leaves.
-  2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest, so the
+  2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest, so
+     the
                          steps below see only this rank's parameters.
   3. recomputation       wraps the blocks this rank holds (their forward, or their attention core).
   4. precision, ZeRO, DP cast the parameters to 16 bits and keep fp32 masters (`apply_precision`),
@@ -12,8 +14,8 @@
                          (`apply_dp`). Last among the model changes: they capture the parameters'
                          final identity and dtype (why in this order among them: at each call).
   5. pipeline executor   after precision: the messages between stages have the model's dtype.
-A checkpoint's weights are loaded into the full model before 1 (the cut is the same as from the seed's
-initialisation); its optimizer moments after 4, cut the same way (checkpoint.restore).
+A checkpoint's weights are loaded into the full model before 1 (the cut is the same as from the
+seed's initialisation); its optimizer moments after 4, cut the same way (checkpoint.restore).
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class Parallel:
     `loss_fn`), then `sync_and_step()`."""
     model: torch.nn.Module            # this rank's share of the GPT (names as in GPT)
     optimizer: object                 # AdamW, or a ZeRO optimizer that also reduces the gradients
-    mp: MixedPrecision                # autocast, loss scaling, fp32 masters (unless ZeRO keeps them)
+    mp: MixedPrecision                # autocast, loss scaling, fp32 masters (unless ZeRO keeps
+                                      #   them)
     loss_fn: object                   # (logits, targets) -> mean loss; vocab-parallel with tp > 1
     tp: TPGroup | None = None
     dp: DataParallelNaive | None = None       # reduces the model's gradients (dp > 1, no ZeRO)
@@ -130,9 +133,11 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
     if par.tp > 1:                                                          # 1. tensor parallelism
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives, stats)
         model = apply_tp(model, tp)
-        loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)  # noqa: E731
+        # noqa: E731
+        loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
     if par.pp > 1:                                                          # 2. pipeline stages
-        chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages, layers=par.stage_layers)
+        chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages,
+                                 layers=par.stage_layers)
         free_unused(model, chunks.values())
     apply_recompute(model, par.recompute)                                   # 3. recomputation
     dp = masters = None                                                     # 4. precision, ZeRO, DP
@@ -150,8 +155,10 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         optimizer = make_optimizer(mp.optimized, lr, weight_decay)
         dp, masters = apply_dp(model, mp, par, mesh, stats)  # last: hooks on the final parameters
     pipe = None
-    if par.pp > 1:                                                          # 5. the pipeline's executor
-        # this DP rank's micro-batch: with uneven dp_shares the replicas' pipelines carry different b
+    # 5. the pipeline's executor
+    if par.pp > 1:
+        # this DP rank's micro-batch: with uneven dp_shares the replicas' pipelines carry different
+        # b
         rows = par.dp_rows(global_batch)[mesh.dp_rank] // par.microbatches
         seq = cfg.seq_len // (par.tp if par.sequence_parallel else 1)
         plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)

@@ -1,4 +1,5 @@
-"""Mixed precision: compute in 16 bits, update in 32 (Micikevicius et al. 2018, "Mixed Precision Training").
+"""Mixed precision: compute in 16 bits, update in 32 (Micikevicius et al. 2018, "Mixed Precision
+Training").
 
 Forward and backward run on 16-bit weights (bf16 or fp16: half the bytes to move, the fast matmul
 units), while the optimizer updates an fp32 *master* copy of every weight, because an update much
@@ -7,7 +8,8 @@ its range is narrow (largest 65504, smallest 2^-24), so the loss is multiplied b
 backward to lift small gradients out of underflow, and the gradients are divided by S in fp32.
 
     model (16-bit) --forward/backward under autocast--> 16-bit grads
-         ^                                                   | grads_to_master: to fp32, / S, inf check
+         ^                                                   | grads_to_master: to fp32, / S, inf
+         check
          | master_to_model: round to 16 bits                 v
     fp32 master weights  <---- optimizer.step() (fp32 Adam moments) ---- fp32 master grads
 
@@ -41,17 +43,20 @@ import torch.nn as nn
 from minipar import memory
 from minipar.config import PRECISIONS  # ("fp32", "bf16", "fp16", "pure-bf16")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "pure-bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "pure-bf16": torch.bfloat16}
 
 
 class LossScaler:
-    """Dynamic loss scaling with torch.amp.GradScaler's defaults: multiply the loss by `scale`; on an
-    overflow skip the step and multiply the scale by `backoff`, after `growth_interval` good steps in
-    a row multiply it by `growth`. The scale settles just below the largest one that does not overflow."""
+    """Dynamic loss scaling with torch.amp.GradScaler's defaults: multiply the loss by `scale`; on
+    an overflow skip the step and multiply the scale by `backoff`, after `growth_interval` good
+    steps in a row multiply it by `growth`. The scale settles just below the largest one that does
+    not overflow."""
 
     def __init__(self, scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
                  growth_interval: int = 2000):
-        self.scale, self.growth, self.backoff, self.growth_interval = scale, growth, backoff, growth_interval
+        self.scale, self.growth, self.backoff = scale, growth, backoff
+        self.growth_interval = growth_interval
         self.good_steps = 0  # steps without overflow since the scale last changed
 
     def update(self, overflow: bool) -> None:
@@ -66,12 +71,13 @@ class LossScaler:
 
 
 class MixedPrecision:
-    """Puts `model` in `precision` (in place) and keeps what the optimizer steps; see the module docstring.
+    """Puts `model` in `precision` (in place) and keeps what the optimizer steps; see the module
+    docstring.
 
     A training step:
         mp = MixedPrecision(model, "bf16")
-        optimizer = make_optimizer(mp.optimized, lr, weight_decay)   # fp32 masters, or the model itself
-        with mp.autocast():
+        optimizer = make_optimizer(mp.optimized, lr, weight_decay)   # fp32 masters, or the model
+        itself with mp.autocast():
             loss = cross_entropy(model(x), y)
         mp.scale(loss).backward()
         took_step = mp.step(optimizer)        # grads_to_master, optimizer.step(), master_to_model
@@ -88,13 +94,15 @@ class MixedPrecision:
         self.model, self.precision, self.dtype = model, precision, DTYPES[precision]
         self.params = list(model.parameters())
         self.device_type = self.params[0].device.type
-        mixed = precision in ("bf16", "fp16") and masters  # masters=False: someone else keeps them (ZeRO)
+        mixed = precision in ("bf16", "fp16") and masters  # masters=False: someone else keeps them
+                                                           #   (ZeRO)
         # fp32 copies made before the cast, so the masters start from the exact fp32 initialisation
         self.master = nn.ParameterList(nn.Parameter(p.detach().to(torch.float32, copy=True))
                                        for p in self.params) if mixed else None
         for p in self.params:
             p.data = p.data.to(self.dtype)  # the model now holds 16-bit weights (no-op for fp32)
-        self.optimized: nn.Module = self.master if mixed else model  # what to build the optimizer on
+        # what to build the optimizer on
+        self.optimized: nn.Module = self.master if mixed else model
         if precision != "fp16":
             self.scaler = None
         else:
@@ -102,8 +110,9 @@ class MixedPrecision:
         self.grad_bytes = 0  # bytes of the model's grads at the last grads_to_master (their peak)
 
     def autocast(self):
-        """The forward's context: torch.autocast in the 16-bit dtype (ops autocast keeps in fp32 stay
-        there), nothing for fp32. The loss (minipar's cross_entropy) is computed in fp32 either way."""
+        """The forward's context: torch.autocast in the 16-bit dtype (ops autocast keeps in fp32
+        stay there), nothing for fp32. The loss (minipar's cross_entropy) is computed in fp32 either
+        way."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -113,10 +122,11 @@ class MixedPrecision:
         return loss * self.scaler.scale if self.scaler else loss
 
     def grads_to_master(self, reduce=None) -> bool:
-        """Move the model's grads to the fp32 masters (freeing the 16-bit ones), then `reduce(grads)` if
-        given (the data-parallel all-reduce, in place, on the fp32 grads), then in fp16 unscale and check
-        for inf/nan. Returns whether to take the step: False only on an fp16 overflow, which also backs
-        the scale off. fp32 and pure-bf16 keep their grads on the model (reduce runs on those)."""
+        """Move the model's grads to the fp32 masters (freeing the 16-bit ones), then
+        `reduce(grads)` if given (the data-parallel all-reduce, in place, on the fp32 grads), then
+        in fp16 unscale and check for inf/nan. Returns whether to take the step: False only on an
+        fp16 overflow, which also backs the scale off. fp32 and pure-bf16 keep their grads on the
+        model (reduce runs on those)."""
         self.grad_bytes = memory.tensor_bytes(p.grad for p in self.params)
         if self.master is None:
             if reduce:
@@ -138,13 +148,15 @@ class MixedPrecision:
 
     @torch.no_grad()
     def master_to_model(self) -> None:
-        """Round the updated fp32 masters into the 16-bit model weights (to nearest, ties to even)."""
+        """Round the updated fp32 masters into the 16-bit model weights (to nearest, ties to
+        even)."""
         for p, m in zip(self.params, self.master):
             p.copy_(m)
 
     def step(self, optimizer, reduce=None) -> bool:
-        """grads_to_master(reduce), optimizer.step() unless fp16 overflowed, master_to_model; returns
-        whether it stepped. The fp32 master grads are freed after the update: only the model's persist."""
+        """grads_to_master(reduce), optimizer.step() unless fp16 overflowed, master_to_model;
+        returns whether it stepped. The fp32 master grads are freed after the update: only the
+        model's persist."""
         took = self.grads_to_master(reduce)
         if took:
             optimizer.step()
@@ -162,7 +174,8 @@ class MixedPrecision:
         return list(self.params)
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """The model's grads held now: 16-bit, except in fp32 ("grads"; after backward, before a step)."""
+        """The model's grads held now: 16-bit, except in fp32 ("grads"; after backward, before a
+        step)."""
         return [p.grad for p in self.params if p.grad is not None]
 
     def master_tensors(self) -> list[torch.Tensor]:
@@ -170,8 +183,8 @@ class MixedPrecision:
         return list(self.master) if self.master is not None else []
 
     def measure(self, optimizer) -> dict[str, int]:
-        """Bytes by category after a step: params, grads (at their peak, recorded by grads_to_master),
-        optimizer (master weights, moments and step counters)."""
+        """Bytes by category after a step: params, grads (at their peak, recorded by
+        grads_to_master), optimizer (master weights, moments and step counters)."""
         optimizer_state = [*self.master_tensors(), *memory.optimizer_tensors(optimizer)]
         return {"params": memory.tensor_bytes(self.params), "grads": self.grad_bytes,
                 "optimizer": memory.tensor_bytes(optimizer_state)}

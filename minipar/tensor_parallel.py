@@ -4,34 +4,40 @@ Shoeybi et al. 2019 (Megatron-LM). In the MLP, Y = GeLU(X A) B: cut A by columns
 
     A = [A_1 | ... | A_t]      B = [B_1; ...; B_t]      rank r computes  Y_r = GeLU(X A_r) B_r,
 
-and Y = sum_r Y_r: the GeLU needs no communication, the sum is one all-reduce. Attention cuts the same
-way along its heads: q, k, v column-parallel (rank r holds heads r a/t ... (r+1) a/t - 1), the output
-projection row-parallel. Two conjugate operators mark where the ranks meet:
+and Y = sum_r Y_r: the GeLU needs no communication, the sum is one all-reduce. Attention cuts the
+same way along its heads: q, k, v column-parallel (rank r holds heads r a/t ... (r+1) a/t - 1), the
+output projection row-parallel. Two conjugate operators mark where the ranks meet:
 
-    f  identity forward, all-reduce backward   (entering a region: each rank's input gradient is a part)
+    f  identity forward, all-reduce backward   (entering a region: each rank's input gradient is a
+       part)
     g  all-reduce forward, identity backward   (leaving it: each rank's output is a part)
 
-The token embedding is cut by vocabulary rows (each rank looks up the ids it owns, zeros elsewhere, g
-sums), the head by vocabulary columns, and the cross-entropy works on those logit slices: the max and
-the sum of exponentials are reduced across the group, so the full logits never exist on any rank.
+The token embedding is cut by vocabulary rows (each rank looks up the ids it owns, zeros elsewhere,
+g sums), the head by vocabulary columns, and the cross-entropy works on those logit slices: the max
+and the sum of exponentials are reduced across the group, so the full logits never exist on any
+rank.
 
-Sequence parallelism (Korthikanti et al. 2022) cuts what lies outside the regions, LayerNorms and the
-residual stream, along the sequence. f becomes an all-gather along the sequence (backward: a
-reduce-scatter) and g a reduce-scatter (backward: an all-gather): the same bytes, since an all-reduce
-is a reduce-scatter plus an all-gather. A column-parallel matmul keeps its input as the sequence shard
-and gathers it again in backward (sec. 4.2.2). Parameters used on a shard (LayerNorms, the row-parallel
-biases, the positions) get partial gradients, summed over the group after backward.
+Sequence parallelism (Korthikanti et al. 2022) cuts what lies outside the regions, LayerNorms and
+the residual stream, along the sequence. f becomes an all-gather along the sequence (backward: a
+reduce-scatter) and g a reduce-scatter (backward: an all-gather): the same bytes, since an
+all-reduce is a reduce-scatter plus an all-gather. A column-parallel matmul keeps its input as the
+sequence shard and gathers it again in backward (sec. 4.2.2). Parameters used on a shard
+(LayerNorms, the row-parallel biases, the positions) get partial gradients, summed over the group
+after backward.
 
-Per rank, t ranks, l layers, h hidden, a heads, V vocabulary, b s tokens per micro-batch, e bytes each:
+Per rank, t ranks, l layers, h hidden, a heads, V vocabulary, b s tokens per micro-batch, e bytes
+each:
     parameters   (12 l h^2 + 6 l h + 2 V h + V) / t  +  6 l h + s h + 2 h      (`memory.tp_params`)
     forward      2 l + 1 all-reduces of b s h e (2 a layer, 1 after the embedding)
     backward     2 l + 1 all-reduces of b s h e (2 a layer, 1 before the head)
                  each sends 2 (t-1)/t of its size: 8 b s h e (t-1)/t a layer, forward + backward
     loss         2 all-reduces and 1 all-gather of b s fp32 values (sum of exp, target logit; max)
-    with SP      each all-reduce above an all-gather + reduce-scatter pair of the same bytes; backward
-                 gathers each column-parallel input again (2 l + 1 more all-gathers: bytes for memory);
-                 once a step an all-reduce of the 6 l h + s h + 2 h partial gradients (`traffic`)
-    activations  a layer (Korthikanti Table 2, 16-bit): s b h (10 + 24/t + 5 a s/(h t)); SP: s b h (34/t + 5 a s/(h t))
+    with SP      each all-reduce above an all-gather + reduce-scatter pair of the same bytes;
+                 backward gathers each column-parallel input again (2 l + 1 more all-gathers: bytes
+                 for memory); once a step an all-reduce of the 6 l h + s h + 2 h partial gradients
+                 (`traffic`)
+    activations  a layer (Korthikanti Table 2, 16-bit): s b h (10 + 24/t + 5 a s/(h t)); SP: s b h
+                 (34/t + 5 a s/(h t))
 """
 from __future__ import annotations
 
@@ -70,11 +76,15 @@ class TPGroup:
         return comm.implementation(self.collectives, self.stats, self.scratch)
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
-        """Leave a parallel region: g (all-reduce), or with SP a reduce-scatter along the sequence."""
-        return _ReduceScatterSequence.apply(y, self) if self.sequence_parallel else _ReduceFromTP.apply(y, self)
+        """Leave a parallel region: g (all-reduce), or with SP a reduce-scatter along the
+        sequence."""
+        if self.sequence_parallel:
+            return _ReduceScatterSequence.apply(y, self)
+        return _ReduceFromTP.apply(y, self)
 
 
-# ----------------------------------------------------------------------------- the conjugate operators
+# ----------------------------------------------------------------------------- the conjugate
+# operators
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -91,7 +101,8 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (in place: the row-parallel matmul's output is not kept), identity backward."""
+    """g: all-reduce forward (in place: the row-parallel matmul's output is not kept), identity
+    backward."""
 
     @staticmethod
     def forward(ctx, y, tp):
@@ -113,7 +124,8 @@ def _gather_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 def _scatter_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _seq_first(tp.ops.reduce_scatter(_seq_first(x), tp.group))   # (B, T, h) summed -> (B, T/t, h)
+    # (B, T, h) summed -> (B, T/t, h)
+    return _seq_first(tp.ops.reduce_scatter(_seq_first(x), tp.group))
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -130,9 +142,9 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 
 class _GatherThenLinears(torch.autograd.Function):
-    """f with SP, fused with the column-parallel matmuls that share its input: all-gather the sequence,
-    multiply by each weight. Backward gathers the shard again rather than keep the full-sequence input,
-    and reduce-scatters the input gradient (the sum over the matmuls) once."""
+    """f with SP, fused with the column-parallel matmuls that share its input: all-gather the
+    sequence, multiply by each weight. Backward gathers the shard again rather than keep the
+    full-sequence input, and reduce-scatters the input gradient (the sum over the matmuls) once."""
 
     @staticmethod
     def forward(ctx, x, tp, *weights_and_biases):
@@ -156,9 +168,12 @@ class _GatherThenLinears(torch.autograd.Function):
 
 
 def column_parallel(x: torch.Tensor, linears: list, tp: TPGroup) -> list[torch.Tensor]:
-    """Enter a region and apply the column-parallel `linears` to its one input: f, then the matmuls."""
+    """Enter a region and apply the column-parallel `linears` to its one input: f, then the
+    matmuls."""
     if tp.sequence_parallel:
-        return list(_GatherThenLinears.apply(x, tp, *(t for lin in linears for t in (lin.weight, lin.bias))))
+        return list(_GatherThenLinears.apply(x, tp,
+                                             *(t for lin in linears
+                                               for t in (lin.weight, lin.bias))))
     x = _CopyToTP.apply(x, tp)
     return [F.linear(x, lin.weight, lin.bias) for lin in linears]
 
@@ -167,16 +182,19 @@ def column_parallel(x: torch.Tensor, linears: list, tp: TPGroup) -> list[torch.T
 
 
 def _shard(param: torch.Tensor | None, dim: int, tp: TPGroup) -> nn.Parameter | None:
-    """This rank's block of a full parameter, cut along `dim` (Megatron's `partition_dim` attribute)."""
+    """This rank's block of a full parameter, cut along `dim` (Megatron's `partition_dim`
+    attribute)."""
     if param is None:
         return None
-    block = nn.Parameter(param.detach().tensor_split(tp.size, dim)[tp.rank].clone())  # as block_of cuts
+    # as block_of cuts
+    block = nn.Parameter(param.detach().tensor_split(tp.size, dim)[tp.rank].clone())
     block.tp_dim = dim
     return block
 
 
 def _replicated(param: nn.Parameter, tp: TPGroup) -> nn.Parameter:
-    """A parameter every rank holds whole; with SP, each uses it on its shard: its gradient is partial."""
+    """A parameter every rank holds whole; with SP, each uses it on its shard: its gradient is
+    partial."""
     param.sequence_partial = tp.sequence_parallel
     return param
 
@@ -220,7 +238,8 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention on a/t heads: q, k, v column-parallel (one f for the three), proj row-parallel."""
+    """Causal self-attention on a/t heads: q, k, v column-parallel (one f for the three), proj
+    row-parallel."""
 
     def __init__(self, attn: CausalSelfAttention, tp: TPGroup):
         super().__init__()
@@ -228,16 +247,19 @@ class ParallelAttention(nn.Module):
         self.q, self.k, self.v = (ColumnParallelLinear(lin, tp) for lin in (attn.q, attn.k, attn.v))
         self.proj = RowParallelLinear(attn.proj, tp)
 
-    def forward(self, x):                                                # (B, T, h) or (B, T/t, h) with SP
+    # (B, T, h) or (B, T/t, h) with SP
+    def forward(self, x):
         q, k, v = (rearrange(y, "b t (nh hd) -> b nh t hd", nh=self.n_head)
                    for y in column_parallel(x, [self.q, self.k, self.v], self.tp))
-        return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))  # like the input
+        # like the input
+        return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))
 
     core = CausalSelfAttention.core  # the single-device attention, on this rank's heads
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds the rows of the ids [r V/t, (r+1) V/t): it looks up those, zeros the rest, g sums."""
+    """Rank r holds the rows of the ids [r V/t, (r+1) V/t): it looks up those, zeros the rest, g
+    sums."""
 
     def __init__(self, emb: nn.Embedding, tp: TPGroup):
         super().__init__()
@@ -247,7 +269,8 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.weight.shape[0]
         local = idx - self.tp.rank * rows
         outside = (local < 0) | (local >= rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        out = F.embedding(local.masked_fill(outside, 0),
+                          self.weight).masked_fill(outside[..., None], 0.0)
         return self.tp.exit(out)
 
 
@@ -262,14 +285,15 @@ class SequenceShardedPositions(nn.Module):
         return F.embedding(positions.tensor_split(self.tp.size)[self.tp.rank], self.weight)
 
 
-# ----------------------------------------------------------------------------- the vocab-parallel loss
+# ----------------------------------------------------------------------------- the vocab-parallel
+# loss
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy from logit slices (N, V/t) on each rank, the full (N, V) never formed.
 
-    loss_i = log sum_v exp(z_iv - m_i) + m_i - z_i,target, m_i the max over the whole vocabulary: each
-    rank reduces its slice, then one all-gather (the maxima) and two all-reduces (the sums of
+    loss_i = log sum_v exp(z_iv - m_i) + m_i - z_i,target, m_i the max over the whole vocabulary:
+    each rank reduces its slice, then one all-gather (the maxima) and two all-reduces (the sums of
     exponentials, the target logit, which only its owner holds) of N values complete it.
     Backward is local: (softmax - one_hot) / N on the slice, from the softmax kept in forward."""
 
@@ -294,7 +318,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return softmax.mul_(grad / len(local)), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 tp: TPGroup) -> torch.Tensor:
     """Mean next-token loss from this rank's logit slice (B, T, V/t) and the targets (B, T)."""
     return _VocabParallelCrossEntropy.apply(rearrange(logits, "b t v -> (b t) v").float(),
                                             rearrange(targets, "b t -> (b t)"), tp)
@@ -304,31 +329,38 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
 
 
 def apply_tp(model: GPT, tp: TPGroup) -> GPT:
-    """Split the single-device GPT in place: each matrix cut from its full initialisation, so every t
-    trains the same model. Parameter names stay the GPT's. Returns the model, whose forward now gives
-    this rank's logit slice (B, T, V/t): train it with `vocab_parallel_cross_entropy`."""
+    """Split the single-device GPT in place: each matrix cut from its full initialisation, so every
+    t trains the same model. Parameter names stay the GPT's. Returns the model, whose forward now
+    gives this rank's logit slice (B, T, V/t): train it with `vocab_parallel_cross_entropy`."""
     cfg = model.cfg
-    for name, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):  # n_head divides d_model
+    # n_head divides d_model
+    for name, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % tp.size:
             raise ValueError(f"tp ({tp.size}) must divide the model's {name} ({size})")
     if tp.sequence_parallel and cfg.seq_len % tp.size:
-        raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp ({tp.size})")
+        raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp "
+                         f"({tp.size})")
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp)
     if tp.sequence_parallel:
         model.pos_emb = SequenceShardedPositions(model.pos_emb, tp)
     for block in model.blocks:
         block.attn = ParallelAttention(block.attn, tp)
-        block.mlp.fc, block.mlp.proj = ColumnParallelLinear(block.mlp.fc, tp), RowParallelLinear(block.mlp.proj, tp)
+        block.mlp.fc, block.mlp.proj = ColumnParallelLinear(block.mlp.fc,
+                                                            tp), RowParallelLinear(block.mlp.proj,
+                                                                                   tp)
         for norm in (block.ln1, block.ln2):
             norm.weight, norm.bias = _replicated(norm.weight, tp), _replicated(norm.bias, tp)
-    model.ln_f.weight, model.ln_f.bias = _replicated(model.ln_f.weight, tp), _replicated(model.ln_f.bias, tp)
+    model.ln_f.weight, model.ln_f.bias = _replicated(model.ln_f.weight,
+                                                     tp), _replicated(model.ln_f.bias, tp)
     model.head = ColumnParallelLinear(model.head, tp)
     return model
 
 
 def sync_sequence_parallel_grads(model: nn.Module, tp: TPGroup) -> None:
-    """With SP, sum the partial gradients of the shard-used parameters over the group: one all-reduce."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_partial", False) and p.grad is not None]
+    """With SP, sum the partial gradients of the shard-used parameters over the group: one
+    all-reduce."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_partial", False)
+             and p.grad is not None]
     if not grads:
         return
     flat = tp.ops.all_reduce(torch.cat([g.reshape(-1) for g in grads]), tp.group)
@@ -337,12 +369,15 @@ def sync_sequence_parallel_grads(model: nn.Module, tp: TPGroup) -> None:
 
 
 def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The part of a full tensor (a weight, an Adam moment) that `param` holds: its block, or all of it."""
-    return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param, "tp_dim") else full
+    """The part of a full tensor (a weight, an Adam moment) that `param` holds: its block, or all of
+    it."""
+    return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param,
+                                                                               "tp_dim") else full
 
 
 def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The full tensor from every rank's block of it, cut as `param` is (a collective), on the CPU."""
+    """The full tensor from every rank's block of it, cut as `param` is (a collective), on the
+    CPU."""
     if tp is None or not hasattr(param, "tp_dim"):
         return tensor.detach().cpu().clone()
     parts = [torch.empty_like(tensor) for _ in range(tp.size)]
@@ -356,21 +391,23 @@ def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
 
 
 def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
-    """Bytes one rank (of DP rank `dp_rank`: its b with par.dp_shares) sends to its TP group per step,
-    {collective: bytes}, as a `comm.CommStats` names them.
+    """Bytes one rank (of DP rank `dp_rank`: its b with par.dp_shares) sends to its TP group per
+    step, {collective: bytes}, as a `comm.CommStats` names them.
 
     A micro-batch of b s tokens, X = b s h e bytes (e = 4 in fp32, 2 in 16-bit), t ranks, l layers:
       no SP  all_reduce      (4 l + 2) 2(t-1)/t X            the layers' f and g, embedding, head
                            + 2 * 2(t-1)/t * 4 b s            the loss: sum of exp, target logit
              all_gather      (t-1) 4 b s                     the loss: every rank's maxima
       SP     reduce_scatter  (4 l + 2) (t-1)/t X
-             all_gather      (6 l + 3) (t-1)/t X + (t-1) 4 b s     the extra 2 l + 1: inputs gathered
+             all_gather      (6 l + 3) (t-1)/t X + (t-1) 4 b s     the extra 2 l + 1: inputs
+                             gathered
                                                                    again in backward (not stored)
              all_reduce      the loss's, as above, + once a step 2(t-1)/t g (6 l h + s h + 2 h),
                              the partial gradients (g bytes a gradient element)
-    times par.microbatches. Full recomputation (recompute.py) runs each layer's forward again in backward,
-    as far as the backward needs it: up to the attention's g, so + l all-reduces of X (SP: + l reduce-
-    scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent when t = 1.
+    times par.microbatches. Full recomputation (recompute.py) runs each layer's forward again in
+    backward, as far as the backward needs it: up to the attention's g, so + l all-reduces of X (SP:
+    + l reduce- scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent
+    when t = 1.
     """
     t, l = par.tp, cfg.n_layer
     if t == 1:

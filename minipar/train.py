@@ -9,8 +9,8 @@ the single-device reference every technique is compared with) or on `par.world` 
 A step: take the global batch of this step (the same for every layout), run forward and backward on
 each of this rank's micro-batches (the loss of each scaled by 1/microbatches, so the gradients are
 those of the mean), step the optimizer. The loss reported is the global mean. With uneven DP shares
-(ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss is also weighted by its share, so the
-averaged gradients are still those of the global mean.
+(ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss is also weighted by its share, so
+the averaged gradients are still those of the global mean.
 Metrics: loss, step time, tokens/s, MFU (model FLOPs, REFERENCES.md, over the device's peak), and
 memory by category.
 """
@@ -43,21 +43,25 @@ class TrainResult:
     losses: list[float]                 # global mean loss of each step
     step_times: list[float]             # seconds per step (rank 0)
     tokens_per_s: float                 # global tokens per second, median step
-    mfu: float                          # model FLOP/s over the peak of the devices used, median step
+    mfu: float                          # model FLOP/s over the peak of the devices used, median
+                                        #   step
     peak_memory: list[dict]             # by rank: {category: bytes}, measured (on CUDA also
                                         #   "cuda_max_allocated", the allocator's peak, to compare)
-    predicted_memory: list[dict]        # by rank: {category: bytes}, memory.predict's analytic model
+    predicted_memory: list[dict]        # by rank: {category: bytes}, memory.predict's analytic
+                                        #   model
     comm_bytes: list[dict]              # by rank: {collective or p2p kind: bytes sent}
     comm_calls: list[dict]              # by rank: {collective kind: calls made}
-    timelines: list[list] = field(default_factory=list, repr=False)  # by rank: (what, start, end) in
-                                        #   perf_counter seconds: forward, backward, buckets, wait (dp > 1)
+    # by rank: (what, start, end) in
+    timelines: list[list] = field(default_factory=list, repr=False)
+                                        #   perf_counter seconds: forward, backward, buckets, wait
+                                        #   (dp > 1)
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights, if asked
 
     def summary(self) -> str:
+        fullest = max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory)
         return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} in {len(self.losses)} steps | "
                 f"{self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak memory "
-                f"{max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory) / 2**20:.1f} MiB "
-                "on the fullest rank")
+                f"{fullest / 2**20:.1f} MiB on the fullest rank")
 
 
 @dataclass
@@ -75,7 +79,8 @@ class RankResult:
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights (rank 0)
 
 
-def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10, global_batch: int = 8,
+def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
+          global_batch: int = 8,
           lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
           backend: str = "auto", return_state: bool = False, progress: bool = False,
           timeout: float = 600.0, save: str | None = None, save_every: int = 0,
@@ -85,24 +90,28 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     steps counts from the start of training: resuming a checkpoint of k steps runs steps - k more.
     save: a checkpoint path, written every `save_every` steps (0: at the end only) and at the end;
     resume: a checkpoint to continue from, in any layout (see checkpoint.py).
-    on_step(loss, tokens_per_s), if given, is called in this process after each step (as the progress bar
-    is drawn), e.g. by a dashboard's own progress bar."""
+    on_step(loss, tokens_per_s), if given, is called in this process after each step (as the
+    progress bar is drawn), e.g. by a dashboard's own progress bar."""
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if data not in dataset.SOURCES:
         raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
-    pick_backend(backend, par.world)  # a world larger than the devices fails here, before any process
-    done = checkpoint.load(resume, cfg)["steps_done"] if resume else 0  # a wrong file fails here too
+    pick_backend(backend, par.world)  # a world larger than the devices fails here, before any
+                                      #   process
+    # a wrong file fails here too
+    done = checkpoint.load(resume, cfg)["steps_done"] if resume else 0
     if done >= steps:
-        raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} steps")
+        raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} "
+                         "steps")
     if not isinstance(save_every, int) or save_every < 0:
         raise ValueError(f"save_every must be a non-negative integer, got {save_every!r}")
     job = dict(cfg=cfg, par=par, steps=steps, global_batch=global_batch, lr=lr,
                weight_decay=weight_decay, seed=seed, data=data, return_state=return_state,
                save=save, save_every=save_every, resume=resume)
-    bar, report = ProgressBar(steps - done, show=progress, on_step=on_step), progress or on_step is not None
+    bar, report = ProgressBar(steps - done, show=progress,
+                              on_step=on_step), progress or on_step is not None
     torchrun = torchrun_rank() is not None
     try:
         if par.world == 1 and not dist.is_initialized() and not torchrun:
@@ -152,7 +161,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     device = device or _device()
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the same one
+    model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the
+                                 #   same one
     resumed = checkpoint.load(resume, cfg) if resume else None
     run = parallelize(model, par, mesh, global_batch=global_batch, lr=lr, weight_decay=weight_decay,
                       stats=stats, after_compute=after_compute, resumed=resumed)
@@ -259,10 +269,12 @@ def _final_weights(run: Parallel, mesh) -> dict:
 
 
 def _predicted(cfg, par, global_batch) -> list[dict] | None:
-    """memory.predict for every rank, where the model covers the layout (all but ZeRO-3 with tp or pp)."""
+    """memory.predict for every rank, where the model covers the layout (all but ZeRO-3 with tp or
+    pp)."""
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     try:  # ZeRO's shard is the rank's place in its DP group
-        return [memory.predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]
+        return [memory.predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank)
+                for c in grid]
     except NotImplementedError:
         return None
 
@@ -271,14 +283,16 @@ def _measure(run: Parallel) -> dict[str, int]:
     """This rank's persistent memory by category (activations are filled in at the end)."""
     optimizer = run.optimizer
     if isinstance(optimizer, (ZeroOptimizer, Zero3)):
-        return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(), optimizer.state_tensors(),
+        return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(),
+                              optimizer.state_tensors(),
                               comm=optimizer.comm_bytes)
     buckets = run.dp.comm_buffer_bytes if run.dp else 0
     return {**run.mp.measure(optimizer), "activations": 0, "comm": buckets}
 
 
 def _accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None) -> float:
-    """Forward and backward of this rank's micro-batches one after the other; returns the summed loss.
+    """Forward and backward of this rank's micro-batches one after the other; returns the summed
+    loss.
     rows: `_rows`; the backward runs on loss * weight (see `_rows`)."""
     start, count, weight = rows
     mp, dp, loss_sum = run.mp, run.dp, 0.0

@@ -1,5 +1,5 @@
-"""ZeRO: shard what data parallelism replicates (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
-Toward Training Trillion Parameter Models").
+"""ZeRO: shard what data parallelism replicates (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models").
 
 Parameters are laid out in a flat buffer, padded to a multiple of the N data-parallel ranks and cut
 into N equal shards; rank r owns shard r:
@@ -8,21 +8,21 @@ into N equal shards; rank r owns shard r:
              rank 0    rank 1          rank N-1
 
   stage 1  optimizer state sharded: after backward the gradients are reduce-scattered (rank r gets
-           the sum of shard r only: the first half of an all-reduce), rank r runs AdamW on its shard,
-           and the updated shards are all-gathered back into every rank's flat buffer.
+           the sum of shard r only: the first half of an all-reduce), rank r runs AdamW on its
+           shard, and the updated shards are all-gathered back into every rank's flat buffer.
   stage 2  + gradients sharded: the same collectives, but each rank keeps only its gradient shard
            (here the full gradient lives from backward until the reduce-scatter, then is freed).
   stage 3  + parameters sharded: one flat buffer per unit (a block, an embedding, the head: FSDP's
-           FlatParameter), of which a rank keeps only its shard. A unit's parameters are all-gathered
-           just before its forward (the next unit's gather is prefetched meanwhile) and freed after
-           it; gathered again when backward reaches the unit (prefetching the unit before it); and
-           once its gradients are complete they are reduce-scattered into the rank's gradient shard
-           and freed too.
+           FlatParameter), of which a rank keeps only its shard. A unit's parameters are
+           all-gathered just before its forward (the next unit's gather is prefetched meanwhile) and
+           freed after it; gathered again when backward reaches the unit (prefetching the unit
+           before it); and once its gradients are complete they are reduce-scattered into the rank's
+           gradient shard and freed too.
 
 The optimizer is PyTorch's AdamW, run on per-parameter pieces of the shard (Parameters that alias
 the shard), so each element gets exactly the update the single-process run gives it.
-Mixed precision (bf16, fp16): parameters and gradients live and travel in 16 bits; each rank keeps an
-fp32 master copy of its shard only, which AdamW updates and which is rounded back into the 16-bit
+Mixed precision (bf16, fp16): parameters and gradients live and travel in 16 bits; each rank keeps
+an fp32 master copy of its shard only, which AdamW updates and which is rounded back into the 16-bit
 shard before the all-gather. That is the ZeRO paper's accounting: 2 + 2 + K bytes a parameter,
 K = 12. In fp16 the gradients are unscaled in fp32, and since each rank sees only its shard, an
 overflow flag is all-reduced (one float) so that all ranks skip the step together.
@@ -32,9 +32,11 @@ Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter),
   memory    stage 0 (DP)  4P params + 4P grads + 8P optimizer
             stage 1       4P params + 4P grads + 8P/N optimizer
             stage 2       4P params + 4P/N grads + 8P/N optimizer
-            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units (two at most)
+            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units (two at
+                          most)
             (+ up to N-1 padding elements per flat buffer)
-  traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as DP's all-reduce
+  traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as DP's
+            all-reduce
             stage 3: all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x),
                      per micro-batch (with gradient accumulation it gathers again for each)
 """
@@ -99,14 +101,16 @@ class _Shard:
     the gradients (same dtype: reduce-scattered in 16 bits under mixed precision, as in the ZeRO
     paper), the fp32 master copy of its parameter shard (mixed precision only) and AdamW on it."""
 
-    def __init__(self, layout: _Flat, params: torch.Tensor, master: torch.Tensor | None, lr, weight_decay, betas):
+    def __init__(self, layout: _Flat, params: torch.Tensor, master: torch.Tensor | None, lr,
+                 weight_decay, betas):
         self.params, self.master = params, master
         self.grads = torch.zeros_like(self.params)
         updated = self.params if master is None else master
         self.optimizer, self.pieces = layout.adamw(updated, lr, weight_decay, betas)
 
     def update(self, loss_scale: float = 1.0) -> None:
-        """AdamW on the shard (with fp32 gradients when there are masters), then round into params."""
+        """AdamW on the shard (with fp32 gradients when there are masters), then round into
+        params."""
         grads = self.grads.float() if self.master is not None else self.grads  # transient fp32 copy
         if loss_scale != 1.0:
             grads = grads / loss_scale
@@ -203,7 +207,8 @@ class ZeroOptimizer:
         self.mine.grads.zero_()
 
     def state_tensors(self):
-        """The optimizer state this rank holds: master shard, moments and step counters of its shard."""
+        """The optimizer state this rank holds: master shard, moments and step counters of its
+        shard."""
         return self.mine.state_tensors()
 
     def grad_tensors(self):
@@ -231,14 +236,16 @@ class _Unit:
     would free nothing: autograd has saved views of the weights (W.t() of each Linear) for backward,
     and those would keep the gathered buffer alive. This is how PyTorch's FSDP frees, too."""
 
-    def __init__(self, module: torch.nn.Module, n: int, rank: int, dtype, master: bool, lr, weight_decay, betas):
+    def __init__(self, module: torch.nn.Module, n: int, rank: int, dtype, master: bool, lr,
+                 weight_decay, betas):
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.layout = _Flat(self.params, n, rank)
         fp32 = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi]
         self.mine = _Shard(self.layout, fp32.to(dtype, copy=True), fp32.clone() if master else None,
                            lr, weight_decay, betas)
-        self.full = torch.empty(self.mine.params.numel() * n, dtype=dtype, device=self.mine.params.device)
+        self.full = torch.empty(self.mine.params.numel() * n, dtype=dtype,
+                                device=self.mine.params.device)
         self.layout.point_params_at(self.full)
         self.gathering = None   # the future of an all-gather in flight
         self.gathered = True
@@ -261,7 +268,8 @@ class Zero3:
     """ZeRO stage 3 over `group`: shards `model` in place; call `step()` after backward.
     dtype, master, scaler, stats: as ZeroOptimizer's."""
 
-    def __init__(self, model: torch.nn.Module, group=None, lr: float = 1e-3, weight_decay: float = 0.0,
+    def __init__(self, model: torch.nn.Module, group=None, lr: float = 1e-3,
+                 weight_decay: float = 0.0,
                  betas=(0.9, 0.95), collectives: str = "minipar", dtype=torch.float32,
                  master: bool = False, scaler=None, stats: comm.CommStats | None = None):
         self.group, self.collectives, self.scaler, self.stats = group, collectives, scaler, stats
@@ -287,7 +295,8 @@ class Zero3:
         unit = self.units[i]
         if not unit.gathered and unit.gathering is None:
             unit.gathering = self._comm.submit(unit.gather, self.group, self.ops)
-            self.gathered_bytes += unit.mine.params.numel() * self.size * unit.mine.params.element_size()
+            self.gathered_bytes += unit.mine.params.numel() * self.size * \
+                unit.mine.params.element_size()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _gather(self, i: int) -> None:
@@ -302,7 +311,8 @@ class Zero3:
     def _free(self, i: int) -> None:
         unit = self.units[i]
         if unit.gathered:
-            self.gathered_bytes -= unit.mine.params.numel() * self.size * unit.mine.params.element_size()
+            self.gathered_bytes -= unit.mine.params.numel() * self.size * \
+                unit.mine.params.element_size()
             unit.free()
 
     def _before_forward(self, i: int) -> None:
@@ -341,7 +351,8 @@ class Zero3:
         for unit in self.units:
             reduced = [r.result() for r in unit.reducing]  # one per micro-batch
             unit.reducing.clear()
-            unit.mine.grads = sum(reduced[1:], reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
+            unit.mine.grads = sum(reduced[1:],
+                                  reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
             unit.mine.grads.div_(self.size)
         self._comm.submit(self.scratch.release).result()  # free it, until the next backward
         scale = self.scaler.scale if self.scaler else 1.0
@@ -353,10 +364,12 @@ class Zero3:
     def zero_grad(self) -> None:
         """Drop the gradient shards: between steps a rank keeps no gradients at all."""
         for unit in self.units:
-            unit.mine.grads = torch.zeros(0, dtype=unit.mine.params.dtype, device=unit.mine.params.device)
+            unit.mine.grads = torch.zeros(0, dtype=unit.mine.params.dtype,
+                                          device=unit.mine.params.device)
 
     def gather_all(self) -> None:
-        """Gather every unit (collective), e.g. to read the full weights; the next forward frees them."""
+        """Gather every unit (collective), e.g. to read the full weights; the next forward frees
+        them."""
         for i in range(len(self.units)):
             self._gather(i)
 

@@ -3,7 +3,8 @@
 They live in a module because `launch` starts fresh processes that import the function by name (a
 function defined in a notebook cannot be imported). Each one reads its rank from torch.distributed,
 prints what a lesson wants to show (it comes back as "[rank r] ..."), and returns plain data (lists,
-dicts, CPU tensors) for the notebook to check. Tensors live on the rank's GPU under NCCL, else on CPU.
+dicts, CPU tensors) for the notebook to check. Tensors live on the rank's GPU under NCCL, else on
+CPU.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _sync() -> None:
 
 
 def _in_turn(text: str) -> None:
-    """Print `text` on every rank, rank 0 first: a barrier between turns keeps the lines in order."""
+    """Print `text` on every rank, rank 0 first: a barrier between turns keeps the lines in
+    order."""
     for r in range(dist.get_world_size()):
         if r == dist.get_rank():
             print(text, flush=True)
@@ -102,14 +104,16 @@ def ring_trace(length: int | None = None) -> dict:
     length = length or n
     x = torch.full((length,), 2 ** rank, dtype=torch.int64, device=_device())
     work = x.clone()
-    chunks = list(torch.tensor_split(work, n))  # views into work, uneven when n does not divide length
+    chunks = list(torch.tensor_split(work, n))  # views into work, uneven when n does not divide
+                                                #   length
     right, left = (rank + 1) % n, (rank - 1) % n
     steps = [[int(c[0]) for c in chunks]]
     for phase in ("reduce-scatter", "all-gather"):
         for moves in comm.ring_schedule(n, phase):
             send, recv = moves[rank]
             incoming = torch.empty_like(chunks[recv])
-            ops = [dist.P2POp(dist.isend, chunks[send], right), dist.P2POp(dist.irecv, incoming, left)]
+            ops = [dist.P2POp(dist.isend, chunks[send], right),
+                   dist.P2POp(dist.irecv, incoming, left)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
             if phase == "reduce-scatter":
@@ -140,7 +144,8 @@ def count_bytes(lengths: list[int]) -> list[dict]:
 
 
 def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
-    """Best-of-`reps` seconds of an fp32 all-reduce of each size (bytes): minipar's ring and the backend's.
+    """Best-of-`reps` seconds of an fp32 all-reduce of each size (bytes): minipar's ring and the
+    backend's.
 
     Every rank waits at a barrier before each repetition, so they start together; one warm-up call
     per size is not timed. The minimum, not the mean, because on a shared machine another process
@@ -169,7 +174,8 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
 
 # ----------------------------------------------------------------------------- lesson 01
 
-DP_VARIANTS = {  # name -> what trains one step; every variant sees the same weights and the same batch
+DP_VARIANTS = {  # name -> what trains one step; every variant sees the same weights and the same
+                 #   batch
     "local": "no gradient sync at all: the compute alone, the floor the others approach",
     "ddp": "torch.nn.parallel.DistributedDataParallel, bucket_cap_mb = bucket_mb",
     "bucketed/minipar": "minipar DataParallelBucket, minipar's ring on a communication thread",
@@ -184,10 +190,10 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     """Time a training step of each data-parallel variant (`DP_VARIANTS`) side by side, interleaved.
 
     cfg is a GPTConfig or a preset name. Each variant has its own copy of the model (same seed) and
-    AdamW; every rank takes `per_rank_batch` rows of one fixed synthetic batch. A repetition runs one
-    step of each variant, starting at a different one each time; each step starts at a barrier and
-    covers forward, backward, gradient sync, optimizer step. threads: intra-op threads per rank (None
-    keeps launch's choice). Returns this rank's {"step": {variant: [seconds per repetition]},
+    AdamW; every rank takes `per_rank_batch` rows of one fixed synthetic batch. A repetition runs
+    one step of each variant, starting at a different one each time; each step starts at a barrier
+    and covers forward, backward, gradient sync, optimizer step. threads: intra-op threads per rank
+    (None keeps launch's choice). Returns this rank's {"step": {variant: [seconds per repetition]},
     "sync": {variant: [seconds in finish(): communication that backward did not hide]},
     "grad_diff": {variant: relative norm difference of its first averaged gradients from DDP's},
     "tokens": tokens this rank trains on per step}.
@@ -214,7 +220,8 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
             _sync()
             synced = time.perf_counter()
             if i == 0:  # the first step: every model still holds the initial weights
-                grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()]).double().cpu()
+                grads[name] = torch.cat([p.grad.flatten()
+                                         for p in model.parameters()]).double().cpu()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync()
@@ -246,8 +253,10 @@ def _dp_variant(name: str, cfg, device, bucket_mb: float) -> tuple:
 
 
 def slowest_rank(by_rank: list[dict], key: str = "step") -> dict[str, list[float]]:
-    """From `compare_ddp`'s results by rank: {variant: each repetition's time on its slowest rank}."""
-    return {name: [max(ts) for ts in zip(*(r[key][name] for r in by_rank))] for name in by_rank[0][key]}
+    """From `compare_ddp`'s results by rank: {variant: each repetition's time on its slowest
+    rank}."""
+    return {name: [max(ts) for ts in zip(*(r[key][name] for r in by_rank))]
+            for name in by_rank[0][key]}
 
 
 # ----------------------------------------------------------------------------- lesson 03
@@ -305,16 +314,19 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar
     zero.step()
     zero.close()
     return {"units": [names[id(u.module)] for u in zero.units],
-            "unit_bytes": [u.mine.params.numel() * world * u.mine.params.element_size() for u in zero.units],
+            "unit_bytes": [u.mine.params.numel() * world * u.mine.params.element_size()
+                           for u in zero.units],
             "events": events, "waits": waits, "peak": zero.peak_gathered_bytes,
-            "phases": [("forward", t0, t1), ("backward", t1, t2), ("step", t2, time.perf_counter())]}
+            "phases": [("forward", t0, t1), ("backward", t1, t2),
+                       ("step", t2, time.perf_counter())]}
 
 
 # ----------------------------------------------------------------------------- lesson 04
 
 
 def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
-    """The MLP, fc column-parallel and proj row-parallel over this world, on one input, with and without SP.
+    """The MLP, fc column-parallel and proj row-parallel over this world, on one input, with and
+    without SP.
 
     Every rank builds the single-device MLP and the same input x and upstream gradient dy from
     `seed` (the reference, computed locally), cuts its blocks, and runs forward and backward, the TP
@@ -341,7 +353,8 @@ def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
     for sp in (False, True):
         stats = comm.CommStats()  # what the group sends: forward's, then forward's and backward's
         tp = TPGroup.of(None, sp, stats=stats)
-        seq = (lambda a: a.tensor_split(tp.size, 1)[tp.rank]) if sp else (lambda a: a)  # this rank's tokens
+        # this rank's tokens
+        seq = (lambda a: a.tensor_split(tp.size, 1)[tp.rank]) if sp else (lambda a: a)
         fc, proj = ColumnParallelLinear(full.fc, tp), RowParallelLinear(full.proj, tp)
         xr = seq(x).clone().requires_grad_()
         y = proj(F.gelu(fc(xr), approximate="tanh"))
@@ -349,10 +362,12 @@ def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
         y.backward(seq(dy))
         bwd = comm.CommStats(stats.bytes_sent - fwd.bytes_sent, stats.calls - fwd.calls)
         if not sp:
-            _in_turn(f"Z_r[0, 0, :4] = {[round(v, 4) for v in partial[0, 0, :4].tolist()]}   after g, + bias: "
+            _in_turn(f"Z_r[0, 0, :4] = {[round(v, 4) for v in partial[0, 0, :4].tolist()]}   after "
+                     "g, + bias: "
                      f"{[round(v, 4) for v in y[0, 0, :4].tolist()]}")
         out[sp] = dict(out=y.detach(), grad=xr.grad, ref=seq(ref.detach()), ref_grad=seq(xf.grad),
-                       forward=dict(fwd.calls), backward=dict(bwd.calls), forward_bytes=dict(fwd.bytes_sent),
+                       forward=dict(fwd.calls), backward=dict(bwd.calls),
+                       forward_bytes=dict(fwd.bytes_sent),
                        backward_bytes=dict(bwd.bytes_sent))
     return out
 

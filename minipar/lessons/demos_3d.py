@@ -10,7 +10,8 @@ import torch
 from minipar.train import train_layouts
 
 
-def layouts(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3, weight_decay: float = 0.0,
+def layouts(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
+            weight_decay: float = 0.0,
             save: dict | None = None, return_state: bool = False) -> list:
     """Train `cfg` under each ParallelConfig of `pars` (all of this world's size) in this one job,
     with what `minipar.train` runs on every rank (`train_layouts`), one layout after the other, each
@@ -24,7 +25,8 @@ def layouts(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3, we
     or "p2p": bytes sent over all the steps}, and with return_state .state_dict the single-device
     weights (rank 0's; None elsewhere).
     """
-    torch.set_num_threads(1)  # 8 ranks on a few cores: one thread each, or they fight over the cores
+    torch.set_num_threads(1)  # 8 ranks on a few cores: one thread each, or they fight over the
+                              #   cores
     jobs = [dict(par=par, save=(save or {}).get(i)) for i, par in enumerate(pars)]
     return train_layouts(jobs, cfg=cfg, steps=steps, global_batch=global_batch, lr=lr,
                          weight_decay=weight_decay, return_state=return_state)

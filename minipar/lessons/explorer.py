@@ -1,24 +1,25 @@
 """The strategy explorer: one ipywidgets dashboard to compare parallel strategies (`explorer()`).
 
-Inputs: a model (a preset fills its sizes; editing a size makes it custom), a cluster (a GPU preset and its
-nodes, plus optionally nodes of a second kind: `Cluster.mixed`; or "this machine", its CPU cores as `ranks`
-local gloo ranks, calibrated: `planner.this_machine`), a global batch, and every ParallelConfig knob (the
-micro-batch size b stands for `microbatches` = global batch / (dp b)). On each change it shows the layout's
-`estimate`: step time, MFU and memory of the fullest GPU; the step cut into the planner's terms beside the
-plan's winner and a pinned layout "A"; the memory per GPU of each pipeline stage by category against its
-capacity; the pipeline as simulated (Gantt); the planner's ranked layouts and the term that makes each
-lose (`explain`). A layout that breaks a rule shows the rule's ValueError message instead.
+Inputs: a model (a preset fills its sizes; editing a size makes it custom), a cluster (a GPU preset
+and its nodes, plus optionally nodes of a second kind: `Cluster.mixed`; or "this machine", its CPU
+cores as `ranks` local gloo ranks, calibrated: `planner.this_machine`), a global batch, and every
+ParallelConfig knob (the micro-batch size b stands for `microbatches` = global batch / (dp b)). On
+each change it shows the layout's `estimate`: step time, MFU and memory of the fullest GPU; the step
+cut into the planner's terms beside the plan's winner and a pinned layout "A"; the memory per GPU of
+each pipeline stage by category against its capacity; the pipeline as simulated (Gantt); the
+planner's ranked layouts and the term that makes each lose (`explain`). A layout that breaks a rule
+shows the rule's ValueError message instead.
 
-"Run here" (this machine, a small model) trains the knobs' layout with `minipar.train` in a background
-thread, with a progress bar, then draws the measured memory of every rank beside the predicted one and,
-with a pipeline, the measured timeline of the last step beside the predicted one.
+"Run here" (this machine, a small model) trains the knobs' layout with `minipar.train` in a
+background thread, with a progress bar, then draws the measured memory of every rank beside the
+predicted one and, with a pipeline, the measured timeline of the last step beside the predicted one.
 
 `render()` draws the state into the current cell output (a notebook run without a browser shows it);
-a change in the dashboard redraws into its own outputs. CSS classes name the parts for tests that drive
-it in a browser (tests/test_browser.py): minipar-explorer (the whole), minipar-knob-<knob>, minipar-model,
-minipar-cluster, minipar-batch, minipar-summary (its element with `data-estimate`: the estimate as JSON),
-minipar-error, minipar-plots, minipar-ranking, minipar-pin, minipar-ab, minipar-run, minipar-progress,
-minipar-measured.
+a change in the dashboard redraws into its own outputs. CSS classes name the parts for tests that
+drive it in a browser (tests/test_browser.py): minipar-explorer (the whole), minipar-knob-<knob>,
+minipar-model, minipar-cluster, minipar-batch, minipar-summary (its element with `data-estimate`:
+the estimate as JSON), minipar-error, minipar-plots, minipar-ranking, minipar-pin, minipar-ab,
+minipar-run, minipar-progress, minipar-measured.
 """
 from __future__ import annotations
 
@@ -45,22 +46,33 @@ from minipar.planner import estimate, explain, format_table, plan, this_machine
 from minipar.planner.cluster import Cluster
 from minipar.train import train
 
-# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's presets
-PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144), "175B": dict(n_layer=96, n_head=96, d_model=12288),
-             "530B": dict(n_layer=105, n_head=128, d_model=20480), "1T": dict(n_layer=128, n_head=160, d_model=25600)}
-SIZES = {**GPTConfig.PRESETS, **{k: dict(v, vocab_size=51200, seq_len=2048) for k, v in PUBLISHED.items()}}
+# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's
+# presets
+PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144),
+             "175B": dict(n_layer=96, n_head=96, d_model=12288),
+             "530B": dict(n_layer=105, n_head=128, d_model=20480),
+             "1T": dict(n_layer=128, n_head=160, d_model=25600)}
+SIZES = {**GPTConfig.PRESETS,
+         **{k: dict(v, vocab_size=51200, seq_len=2048) for k, v in PUBLISHED.items()}}
 THIS = "this machine"
-QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtual_stages=(2,), zero=(0, 1))
-HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))  # this machine times each layer
-HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small models only
-MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds to draw)
+QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtual_stages=(2,),
+             zero=(0, 1))
+# this machine times each layer
+HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))
+HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small models
+                        #   only
+MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds to
+                  #   draw)
 RUN_STEPS, RUN_TIMEOUT = 4, 300
 
 
-def explorer(model: str = "gpt2-xl", cluster: str = "dgx-a100-80g", nodes: int = 1, global_batch: int = 64,
+def explorer(model: str = "gpt2-xl", cluster: str = "dgx-a100-80g", nodes: int = 1,
+             global_batch: int = 64,
              precision: str = "bf16", search: str = "full") -> "Explorer":
-    """The dashboard (module docstring), starting at `plan`'s winner; display it as a cell's last value.
-    cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes` is its number of local ranks)."""
+    """The dashboard (module docstring), starting at `plan`'s winner; display it as a cell's last
+    value.
+    cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes` is its number of local
+    ranks)."""
     return Explorer(model, cluster, nodes, global_batch, precision, search)
 
 
@@ -69,25 +81,33 @@ def _knob(name: str, control: w.Widget) -> w.Widget:
 
 
 class Explorer:
-    """The dashboard of `explorer()`. `widget` is the box to display; `estimates` the ranked plan (empty
-    when nothing fits: `plan_error` says why), `current` the knobs' estimate (None when they break a rule:
-    `error` is its message), `pinned` layout A's, `result` the last "Run here" TrainResult."""
+    """The dashboard of `explorer()`. `widget` is the box to display; `estimates` the ranked plan
+    (empty when nothing fits: `plan_error` says why), `current` the knobs' estimate (None when they
+    break a rule: `error` is its message), `pinned` layout A's, `result` the last "Run here"
+    TrainResult."""
 
-    def __init__(self, model="gpt2-xl", cluster="dgx-a100-80g", nodes=1, global_batch=64, precision="bf16",
+    def __init__(self, model="gpt2-xl", cluster="dgx-a100-80g", nodes=1, global_batch=64,
+                 precision="bf16",
                  search="full"):
         if model not in SIZES or cluster not in [*Cluster.PRESETS, THIS]:
-            raise ValueError(f"model must be one of {list(SIZES)} and cluster one of {[*Cluster.PRESETS, THIS]}, "
+            raise ValueError(f"model must be one of {list(SIZES)} and cluster one of "
+                             f"{[*Cluster.PRESETS, THIS]}, "
                              f"got {model!r}, {cluster!r}")
         small = dict(layout=w.Layout(width="200px"), style=dict(description_width="initial"))
-        self.model = w.Dropdown(options=[*SIZES, "custom"], value=model, description="model").add_class("minipar-model")
-        self.shape = {k: w.BoundedIntText(min=1, max=1_000_000, description=k, layout=w.Layout(width="180px"))
+        self.model = w.Dropdown(options=[*SIZES, "custom"], value=model,
+                                description="model").add_class("minipar-model")
+        self.shape = {k: w.BoundedIntText(min=1, max=1_000_000, description=k,
+                                          layout=w.Layout(width="180px"))
                       for k in SHAPE}
-        self.kind = w.Dropdown(options=[*Cluster.PRESETS, THIS], value=cluster, description="cluster")
+        self.kind = w.Dropdown(options=[*Cluster.PRESETS, THIS], value=cluster,
+                               description="cluster")
         self.kind.add_class("minipar-cluster")
         self.nodes = w.BoundedIntText(value=nodes, min=1, max=128, description="nodes")
-        self.kind2 = w.Dropdown(options=["none", *Cluster.PRESETS], value="none", description="+ nodes of")
+        self.kind2 = w.Dropdown(options=["none", *Cluster.PRESETS], value="none",
+                                description="+ nodes of")
         self.nodes2 = w.BoundedIntText(value=1, min=1, max=128, description="nodes")
-        self.batch = w.BoundedIntText(value=global_batch, min=1, max=1_000_000, description="global batch",
+        self.batch = w.BoundedIntText(value=global_batch, min=1, max=1_000_000,
+                                      description="global batch",
                                       style=dict(description_width="initial"))
         self.batch.add_class("minipar-batch")
         self.search = w.ToggleButtons(options=["full", "quick"], value=search, description="search")
@@ -100,13 +120,17 @@ class Explorer:
             "virtual_stages": w.BoundedIntText(min=1, max=16, description="v", **small),
             "zero": w.Dropdown(options=[0, 1, 2, 3], description="ZeRO", **small),
             "recompute": w.Dropdown(options=RECOMPUTE, description="recompute", **small),
-            "precision": w.Dropdown(options=PRECISIONS, value=precision, description="precision", **small),
+            "precision": w.Dropdown(options=PRECISIONS, value=precision, description="precision",
+                                    **small),
             "sequence_parallel": w.Checkbox(description="sequence parallel", indent=False, **small),
             "micro_batch": w.BoundedIntText(min=1, max=4096, description="micro-batch", **small),
-            "dp_mode": w.Dropdown(options=DP_MODES, value="bucketed", description="DP mode", **small),
-            "bucket_mb": w.BoundedFloatText(value=25.0, min=0.01, max=1e6, description="bucket MiB", **small),
+            "dp_mode": w.Dropdown(options=DP_MODES, value="bucketed", description="DP mode",
+                                  **small),
+            "bucket_mb": w.BoundedFloatText(value=25.0, min=0.01, max=1e6,
+                                            description="bucket MiB", **small),
             "collectives": w.Dropdown(options=COLLECTIVES, description="collectives", **small),
-            "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", indent=False, **small)}.items()}
+            "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", indent=False,
+                                      **small)}.items()}
         self.summary = w.HTML().add_class("minipar-summary")
         self.error_box = w.HTML().add_class("minipar-error")
         self.pin_button = w.Button(description="pin as A", tooltip="keep this layout to compare")
@@ -114,14 +138,18 @@ class Explorer:
         self.ab = w.HTML().add_class("minipar-ab")
         self.plots = w.Output().add_class("minipar-plots")
         self.ranking = w.Output().add_class("minipar-ranking")
-        self.run_button = w.Button(description="Run here", button_style="success").add_class("minipar-run")
-        self.progress = w.IntProgress(value=0, min=0, max=RUN_STEPS, description="steps").add_class("minipar-progress")
+        self.run_button = w.Button(description="Run here",
+                                   button_style="success").add_class("minipar-run")
+        self.progress = w.IntProgress(value=0, min=0, max=RUN_STEPS,
+                                      description="steps").add_class("minipar-progress")
         self.measured = w.Output().add_class("minipar-measured")
-        self.estimates, self.current, self.error, self.plan_error, self.pinned = [], None, None, None, None
+        self.estimates, self.current, self.pinned = [], None, None
+        self.error, self.plan_error = None, None
         self.result, self.run_error, self._thread, self._quiet = None, None, None, False
         self._fill_shape(SIZES[model])
         self.widget = w.VBox([
-            w.HTML("<b>Model, cluster, batch</b> (a preset fills the sizes; editing a size makes the model custom; "
+            w.HTML("<b>Model, cluster, batch</b> (a preset fills the sizes; editing a size makes "
+                   "the model custom; "
                    "on this machine <i>nodes</i> counts local ranks)"),
             w.HBox([self.model, self.batch, self.search]), w.HBox([self.shape[k] for k in SHAPE]),
             w.HBox([self.kind, self.nodes, self.kind2, self.nodes2]),
@@ -132,7 +160,8 @@ class Explorer:
             w.HTML("<b>The planner's ranking</b> and why each runner-up loses"), self.ranking])
         self.widget.add_class("minipar-explorer")
         self.model.observe(self._on_model, names="value")
-        for c in [*self.shape.values(), self.kind, self.nodes, self.kind2, self.nodes2, self.batch, self.search]:
+        for c in [*self.shape.values(), self.kind, self.nodes, self.kind2, self.nodes2, self.batch,
+                  self.search]:
             c.observe(self._on_plan, names="value")
         self.pick.observe(self._on_pick, names="value")
         for c in self.knobs.values():
@@ -151,11 +180,14 @@ class Explorer:
         return GPTConfig(**{k: self.shape[k].value for k in SHAPE})
 
     def cluster(self, world: int | None = None) -> Cluster:
-        """The cluster of the inputs; for this machine, calibrated for `world` ranks (default: nodes)."""
+        """The cluster of the inputs; for this machine, calibrated for `world` ranks (default:
+        nodes)."""
         if self.kind.value == THIS:
             if self.config().num_params > HERE_MAX_PARAMS:
-                raise ValueError(f"this machine times the model's own layers here: choose a model of at most "
-                                 f"{HERE_MAX_PARAMS / 1e6:.0f}M parameters (tiny, small-cpu), or a GPU cluster")
+                raise ValueError("this machine times the model's own layers here: choose a model "
+                                 "of at most "
+                                 f"{HERE_MAX_PARAMS / 1e6:.0f}M parameters (tiny, small-cpu), or a "
+                                 "GPU cluster")
             return this_machine(world=world or self.nodes.value)
         first = Cluster.preset(self.kind.value, nodes=self.nodes.value)
         if self.kind2.value == "none":
@@ -168,7 +200,8 @@ class Explorer:
         b = k.pop("micro_batch")
         rows = k["dp"] * b
         if self.batch.value % rows:
-            raise ValueError(f"the global batch ({self.batch.value}) must be a multiple of dp x micro-batch "
+            raise ValueError(f"the global batch ({self.batch.value}) must be a multiple of dp x "
+                             "micro-batch "
                              f"({k['dp']} x {b} = {rows})")
         return ParallelConfig(**k, microbatches=self.batch.value // rows), b
 
@@ -180,7 +213,8 @@ class Explorer:
             search = HERE if here else QUICK if self.search.value == "quick" else {}
             self.estimates = plan(self.config(), self.cluster(), self.batch.value,
                                   precision=self.knobs["precision"].value, **search)
-        except ValueError as e:  # NoFeasiblePlan, a model size GPTConfig refuses, a model too big to time here
+        except ValueError as e:  # NoFeasiblePlan, a model size GPTConfig refuses, a model too big
+                                 #   to time here
             self.plan_error = f"{type(e).__name__}: {e}"
         self._quiet = True
         self.pick.max = max(1, len(self.estimates))
@@ -192,11 +226,13 @@ class Explorer:
         self._set(pick=k)
         if self.estimates:
             e = self.estimates[k - 1]
-            self._set(**{f: getattr(e.par, f) for f in KNOBS if f != "micro_batch"}, micro_batch=e.micro_batch)
+            self._set(**{f: getattr(e.par, f) for f in KNOBS if f != "micro_batch"},
+                      micro_batch=e.micro_batch)
         self.update()
 
     def set(self, **knobs) -> None:
-        """Set knobs by name (KNOBS) and re-estimate, without redrawing; then `render()` or `refresh()`."""
+        """Set knobs by name (KNOBS) and re-estimate, without redrawing; then `render()` or
+        `refresh()`."""
         unknown = set(knobs) - set(KNOBS)
         if unknown:
             raise ValueError(f"unknown knobs {sorted(unknown)}; choose from {KNOBS}")
@@ -208,7 +244,8 @@ class Explorer:
         self.current, self.error = None, None
         try:
             par, b = self.layout()
-            self.current = estimate(self.config(), par, self.cluster(par.world), self.batch.value, b)
+            self.current = estimate(self.config(), par, self.cluster(par.world), self.batch.value,
+                                    b)
         except ValueError as e:
             self.error = f"ValueError: {e}"
 
@@ -235,8 +272,10 @@ class Explorer:
             raise ValueError(f"cannot run here: {reason}")
         self.result, self.run_error, self.run_button.disabled = None, None, True
         self.progress.value, self.progress.max = 0, steps
-        self.measured.outputs = (explorer_html.text(f"training {self.current.label} for {steps} steps ..."),)
-        self._thread = threading.Thread(target=self._run, args=(self.config(), self.current, steps), daemon=True)
+        self.measured.outputs = (explorer_html.text(f"training {self.current.label} for {steps} "
+                                                    "steps ..."),)
+        self._thread = threading.Thread(target=self._run,
+                                        args=(self.config(), self.current, steps), daemon=True)
         self._thread.start()
         if wait:
             self._thread.join()
@@ -244,8 +283,10 @@ class Explorer:
 
     def _run(self, cfg, est, steps) -> None:
         try:
-            self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch, timeout=RUN_TIMEOUT,
-                                on_step=lambda loss, tokens: setattr(self.progress, "value", self.progress.value + 1))
+            self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch,
+                                timeout=RUN_TIMEOUT,
+                                on_step=lambda loss,
+                                tokens: setattr(self.progress, "value", self.progress.value + 1))
             self.measured.outputs = tuple(explorer_html.measured(est, self.result))
         except Exception as e:  # shown in the dashboard; the job's own traceback went to the log
             self.run_error = f"{type(e).__name__}: {e}"
@@ -256,9 +297,11 @@ class Explorer:
     # --------------------------------------------------------------------- drawing
 
     def outputs(self) -> tuple[list, list]:
-        """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as text."""
+        """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as
+        text."""
         ranking = [explorer_html.text(self.plan_error)] if self.plan_error else [explorer_html.text(
-            f"{len(self.estimates)} layouts fit; the fastest ten:\n{format_table(self.estimates, top=10)}\n\n"
+            f"{len(self.estimates)} layouts fit; the fastest "
+            f"ten:\n{format_table(self.estimates, top=10)}\n\n"
             + explain(self.estimates))]
         est, best = self.current, (self.estimates or [None])[0]
         if est is None:
@@ -267,24 +310,32 @@ class Explorer:
         if self.pinned is not None:
             bars["A: " + self.pinned.label] = self.pinned
         bars["knobs: " + est.label] = est
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2], layout="constrained")
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2],
+                                         layout="constrained")
         viz_planner.breakdown(bars, ax=ax_t)
         viz_planner.memory_stages(est, ax=ax_m, title="memory per GPU of each stage (the knobs)")
         plots = [explorer_html.png(fig)]
-        boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * (3 if est.par.schedule == "zb-h1" else 2)
+        ops = 3 if est.par.schedule == "zb-h1" else 2  # F, B (and W) per micro-batch and chunk
+        boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * ops
         if boxes > MAX_BOXES:
-            plots.append(explorer_html.text(f"(the Gantt chart is left out: {boxes} actions to draw)"))
+            plots.append(explorer_html.text(f"(the Gantt chart is left out: {boxes} actions to "
+                                            "draw)"))
         else:
             tl = est.timeline
-            plots.append(explorer_html.png(viz_pipeline.gantt(tl, title=f"{est.label}, simulated (s): bubble {tl.bubble:.1%}")))
+            plots.append(explorer_html.png(viz_pipeline.gantt(tl, title=f"{est.label}, simulated "
+                                                                        "(s): bubble "
+                                                                        f"{tl.bubble:.1%}")))
         return plots, ranking
 
     def refresh(self) -> None:
-        """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is drawn."""
-        self.error_box.value = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
+        """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is
+        drawn."""
+        error = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
+        self.error_box.value = error
         self.ab.value = explorer_html.ab(self.pinned, self.current)
         reason = self.why_not_run()
-        self.run_button.disabled, self.run_button.tooltip = reason is not None, reason or "train it here"
+        self.run_button.disabled = reason is not None
+        self.run_button.tooltip = reason or "train it here"
         plots, ranking = self.outputs()
         self.plots.outputs, self.ranking.outputs = tuple(plots), tuple(ranking)
         self.summary.value = explorer_html.summary(self.current, (self.estimates or [None])[0])
@@ -352,7 +403,8 @@ class Explorer:
     def _on_knob(self, change) -> None:
         if self._quiet:
             return
-        if change["owner"] is self.knobs["precision"]:  # what fits changes: rank again, keep the knobs
+        if change["owner"] is self.knobs["precision"]:  # what fits changes: rank again, keep the
+                                                        #   knobs
             knobs = {name: c.value for name, c in self.knobs.items()}
             self.replan()
             self._set(**knobs)

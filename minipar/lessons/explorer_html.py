@@ -1,10 +1,12 @@
-"""What the strategy explorer (explorer.py) draws, as Output widget outputs and HTML: set from any thread, in any
-kernel, without a frontend's display machinery.
+"""What the strategy explorer (explorer.py) draws, as Output widget outputs and HTML: set from any
+thread, in any kernel, without a frontend's display machinery.
 
     text(s), png(fig)       one output each (the figure is closed)
-    summary(est, best)      the estimate as a line of HTML, and as JSON in `data-estimate` (for browser tests)
+    summary(est, best)      the estimate as a line of HTML, and as JSON in `data-estimate` (for
+                            browser tests)
     ab(a, b)                layout A beside B: step, MFU, memory and each term, with B / A
-    measured(est, result)   a "Run here" run beside the prediction: memory per rank, the step, the pipeline
+    measured(est, result)   a "Run here" run beside the prediction: memory per rank, the step, the
+                            pipeline
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from minipar.planner import TERMS
 from minipar.planner.cluster import GiB
 
 SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
-KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision", "sequence_parallel",
+KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision",
+         "sequence_parallel",
          "micro_batch", "dp_mode", "bucket_mb", "collectives", "reduce_fp32")
 
 
@@ -32,30 +35,36 @@ def text(s: str) -> dict:
 
 
 def png(fig) -> dict:
-    """A figure as an Output widget's output (PNG), and closed: set from any thread, in any kernel."""
+    """A figure as an Output widget's output (PNG), and closed: set from any thread, in any
+    kernel."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=72)
     plt.close(fig)
     return {"output_type": "display_data", "metadata": {},
-            "data": {"image/png": base64.b64encode(buf.getvalue()).decode(), "text/plain": "<Figure>"}}
+            "data": {"image/png": base64.b64encode(buf.getvalue()).decode(),
+                     "text/plain": "<Figure>"}}
 
 
 def summary(est, best) -> str:
-    """The estimate as a line of text, and as JSON in `data-estimate` (for tests that read the page)."""
+    """The estimate as a line of text, and as JSON in `data-estimate` (for tests that read the
+    page)."""
     if est is None:
         return ""
     par, cfg = est.par, est.cfg
     data = dict(label=est.label, step_time=est.step_time, mfu=est.mfu, tflops=est.tflops_per_gpu,
-                memory=est.total_memory, capacity=est.capacity, fits=est.fits, micro_batch=est.micro_batch,
+                memory=est.total_memory, capacity=est.capacity, fits=est.fits,
+                micro_batch=est.micro_batch,
                 global_batch=est.global_batch, cluster=est.cluster.name, nodes=est.cluster.nodes,
                 gpus=est.cluster.world, breakdown=est.breakdown,
                 model={k: getattr(cfg, k) for k in SHAPE},
                 **{k: getattr(par, k) for k in KNOBS if k != "micro_batch"})
     vs = f", {est.step_time / best.step_time:.3f}x the winner's" if best else ""
     fits = "fits" if est.fits else "<b style='color:#b00'>does NOT fit</b>"
-    return (f"<div data-estimate='{html.escape(json.dumps(data), quote=True)}'><b>{html.escape(est.label)}</b> "
-            f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step <b>{est.step_time:.4g} s</b>"
-            f"{vs}; MFU <b>{est.mfu:.1%}</b>, {est.tflops_per_gpu:.3g} TFLOP/s a GPU; fullest GPU "
+    attribute = html.escape(json.dumps(data), quote=True)
+    return (f"<div data-estimate='{attribute}'><b>{html.escape(est.label)}</b> "
+            f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step "
+            f"<b>{est.step_time:.4g} s</b>{vs}; MFU <b>{est.mfu:.1%}</b>, "
+            f"{est.tflops_per_gpu:.3g} TFLOP/s a GPU; fullest GPU "
             f"<b>{size(est.total_memory)}</b> of {size(est.capacity)}: {fits}</div>")
 
 
@@ -68,16 +77,19 @@ def ab(a, b) -> str:
     if a is None or b is None:
         return "<i>pin a layout as A to compare it with the knobs' (B) side by side</i>"
     rows = [("step s", a.step_time, b.step_time), ("MFU", a.mfu, b.mfu),
-            ("GiB", a.total_memory / GiB, b.total_memory / GiB)] + [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
-    cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td><td>{f'{y / x:.3f}' if x else '-'}</td></tr>"
-                    for name, x, y in rows)
-    return (f"<table><tr><th></th><th>A: {html.escape(a.label)}</th><th>B: {html.escape(b.label)}</th><th>B / A</th>"
+            ("GiB", a.total_memory / GiB, b.total_memory / GiB)]
+    rows += [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
+    cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td>"
+                    f"<td>{f'{y / x:.3f}' if x else '-'}</td></tr>" for name, x, y in rows)
+    return (f"<table><tr><th></th><th>A: {html.escape(a.label)}</th><th>B: "
+            f"{html.escape(b.label)}</th><th>B / A</th>"
             f"</tr>{cells}</table>")
 
 
 def measured(est, res) -> list[dict]:
-    """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`, per rank:
-    the planner's per-stage figure is its DP rank 0, the fullest under ZeRO), the step, the pipeline."""
+    """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`, per
+    rank: the planner's per-stage figure is its DP rank 0, the fullest under ZeRO), the step, the
+    pipeline."""
     par = est.par
     coords = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]
@@ -85,14 +97,19 @@ def measured(est, res) -> list[dict]:
     steps = res.step_times[1:] or res.step_times
     out = [text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured "
                  f"{statistics.median(steps) * 1e3:.1f} ms (median of {len(steps)})"),
-           png(viz.memory_compare({"predicted (left) and measured (right)": pairs}, title="memory per rank"))]
+           png(viz.memory_compare({"predicted (left) and measured (right)": pairs},
+                                  title="memory per rank"))]
     if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
         first = [r for r, c in enumerate(coords) if c.dp_rank == 0 and c.tp_rank == 0]
-        measured = Timeline.from_events([res.timelines[r] for r in sorted(first, key=lambda r: coords[r].pp_rank)])
+        measured = Timeline.from_events([res.timelines[r]
+                                         for r in sorted(first, key=lambda r: coords[r].pp_rank)])
         predicted = est.timeline
-        fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True, layout="constrained")
-        viz_pipeline.gantt(predicted, ax=axes[0], title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
-        viz_pipeline.gantt(measured, ax=axes[1], title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
+        fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True,
+                                 layout="constrained")
+        viz_pipeline.gantt(predicted, ax=axes[0], title="predicted: "
+                                                        f"{predicted.makespan * 1e3:.1f} ms")
+        viz_pipeline.gantt(measured, ax=axes[1], title="measured (last step): "
+                                                       f"{measured.makespan * 1e3:.1f} ms")
         axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
         out.append(png(fig))
     return out

@@ -1,8 +1,8 @@
 """Plots every lesson uses: each function takes plain data and returns a matplotlib Figure.
 
 Nothing here starts processes or needs a display: the figures draw with any backend (inline in a
-notebook, Agg on a headless machine), and `fig.savefig(path)` writes them to a file. The plots of one
-lesson live in its own module beside this one (viz_collectives, viz_dp, viz_zero, viz_tp,
+notebook, Agg on a headless machine), and `fig.savefig(path)` writes them to a file. The plots of
+one lesson live in its own module beside this one (viz_collectives, viz_dp, viz_zero, viz_tp,
 viz_pipeline, viz_3d, viz_planner).
 
     loss_curve(runs)      loss against step for several runs, overlaid
@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 
 
 def loss_curve(runs: dict[str, list[float]], title: str = "training loss") -> Figure:
-    """Loss against step, one line per run ({label: losses}); equal runs draw on top of each other."""
+    """Loss against step, one line per run ({label: losses}); equal runs draw on top of each
+    other."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for (label, losses), style in zip(runs.items(), ["-", "--", ":", "-."] * len(runs)):
         ax.plot(range(1, len(losses) + 1), losses, style, label=label)
@@ -63,7 +64,8 @@ def memory_compare(panels: dict[str, dict[str, tuple[dict, dict]]],
 
     colours = dict(zip(CATEGORIES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     width = max(len(runs) for runs in panels.values())
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 1.2 * width * len(panels), 4.0), sharey=True,
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 1.2 * width * len(panels), 4.0),
+                             sharey=True,
                              squeeze=False, layout="constrained")
     for ax, (name, runs) in zip(axes[0], panels.items()):
         for x, (label, pair) in enumerate(runs.items()):

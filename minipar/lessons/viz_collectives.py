@@ -1,6 +1,8 @@
-"""Plots for lesson 00 (collectives): the ring all-reduce stepped through, and bandwidth against size.
+"""Plots for lesson 00 (collectives): the ring all-reduce stepped through, and bandwidth against
+size.
 
-    ring_states(n)        the ring all-reduce simulated from `comm.ring_schedule`: what each rank holds
+    ring_states(n)        the ring all-reduce simulated from `comm.ring_schedule`: what each rank
+                          holds
     ring_steps(n)         that simulation drawn, one ranks x chunks grid per step
     bandwidth(...)        time and bus bandwidth against message size, for several implementations
 """
@@ -31,7 +33,8 @@ def ring_states(n: int) -> list[dict]:
                 left = (r - 1) % n
                 assert moves[left][0] == recv, "the left neighbour must send the chunk r receives"
                 if phase == "reduce-scatter":
-                    new[r][recv] = holds[left][recv] | holds[r][recv]  # add the partial sum that arrived
+                    # add the partial sum that arrived
+                    new[r][recv] = holds[left][recv] | holds[r][recv]
                 else:
                     new[r][recv] = holds[left][recv]  # take the finished chunk
             holds = new
@@ -45,14 +48,16 @@ def _draw_state(ax, state: dict, n: int, cmap) -> None:
     ax.imshow(counts, cmap=cmap, vmin=0.5, vmax=n + 0.5, aspect="auto")
     for r, row in enumerate(state["holds"]):
         for c, s in enumerate(row):  # whose contributions, or only how many when that gets too long
-            text = "all" if len(s) == n else "+".join(map(str, sorted(s))) if n <= 4 else str(len(s))
+            text = "all" if len(s) == n else "+".join(map(str,
+                                                          sorted(s))) if n <= 4 else str(len(s))
             ax.text(c, r, text, ha="center", va="center", fontsize=9 if n <= 3 else 8,
                     color="white" if len(s) > n / 2 else "black")
     for r, (_, recv) in enumerate(state["moves"] or []):
         ax.add_patch(plt.Rectangle((recv - 0.5, r - 0.5), 1, 1, fill=False, lw=2.5, ec="crimson"))
         arrow = dict(arrowstyle="->", color="crimson", lw=1.5)
         x = recv + 0.42
-        if r == 0:  # the ring wraps: the last rank sends to rank 0 (out of the bottom, in at the top)
+        if r == 0:  # the ring wraps: the last rank sends to rank 0 (out of the bottom, in at the
+                    #   top)
             ax.annotate("", (x, -0.45), (x, -0.8), arrowprops=arrow, annotation_clip=False)
             ax.annotate("", (x, n - 0.2), (x, n - 0.55), arrowprops=arrow, annotation_clip=False)
         else:
@@ -69,9 +74,9 @@ def ring_steps(n: int = 4) -> Figure:
     """Draw `ring_states(n)`: reduce-scatter on the top row, all-gather below, one grid per step.
 
     Rows are ranks, columns are chunks; a cell's colour is how many ranks' contributions it sums and
-    its text says whose ("all" = the finished sum; above 4 ranks, only how many). A red box marks the
-    chunk each rank received at that step, the red arrow shows it came from the rank above (rank 0's
-    from the last rank).
+    its text says whose ("all" = the finished sum; above 4 ranks, only how many). A red box marks
+    the chunk each rank received at that step, the red arrow shows it came from the rank above (rank
+    0's from the last rank).
     """
     states = ring_states(n)
     cmap = plt.get_cmap("YlGnBu", n)
@@ -84,8 +89,10 @@ def ring_steps(n: int = 4) -> Figure:
     bar = fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0.5, n + 0.5)),
                        cax=legend.inset_axes([0.0, 0.05, 0.08, 0.9]), ticks=range(1, n + 1))
     bar.set_label("contributions summed", fontsize=9)
-    legend.text(0.45, 0.5, f"red box: the chunk a rank\nreceived at this step\n\narrow: it came from the\n"
-                f"rank above (rank 0's\nfrom rank {n - 1})", transform=legend.transAxes, va="center",
+    legend.text(0.45, 0.5, "red box: the chunk a rank\nreceived at this step\n\narrow: it came "
+                           "from the\n"
+                f"rank above (rank 0's\nfrom rank {n - 1})", transform=legend.transAxes,
+                va="center",
                 fontsize=8)
     fig.suptitle(f"Ring all-reduce on {n} ranks: reduce-scatter (top), then all-gather (bottom)")
     return fig
@@ -95,8 +102,8 @@ def bandwidth(sizes: list[int], times: dict[str, list[float]], world: int) -> Fi
     """Time and bus bandwidth of an all-reduce against message size, one line per implementation.
 
     sizes are in bytes, times[name][i] in seconds for sizes[i]. Bus bandwidth is the rate of the
-    bytes each rank must send, 2(N-1)/N * size / time (nccl-tests' definition), so it can be compared
-    with a link's bandwidth whatever N is.
+    bytes each rank must send, 2(N-1)/N * size / time (nccl-tests' definition), so it can be
+    compared with a link's bandwidth whatever N is.
     """
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 3.8), layout="constrained")
     for name, ts in times.items():

@@ -29,16 +29,19 @@ def step_spans(timeline: list[tuple[str, float, float]]) -> list[list[tuple[str,
 _COMPUTE = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52"}
 
 
-def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str = "compute and communication",
+def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str = "compute and "
+                                                                                 "communication",
              ) -> Figure:
     """Per-rank Gantt chart, one panel per run ({label: spans by rank}), on one time axis.
 
     Spans are (what, start, end) in perf_counter seconds, as `DataParallel.timeline` records them.
     Each rank has two rows: "compute" (forward, backward, and "wait", the time blocked in finish()
     on communication backward did not hide, hatched) and "comm" (every all-reduce: "bucket i" or, in
-    naive mode, "all-reduce"; neighbours alternate in shade). Times count from each run's first span.
+    naive mode, "all-reduce"; neighbours alternate in shade). Times count from each run's first
+    span.
     """
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 0.5 + 1.1 * sum(len(r) for r in runs.values())),
+    fig, axes = plt.subplots(len(runs), 1,
+                             figsize=(10, 0.5 + 1.1 * sum(len(r) for r in runs.values())),
                              sharex=True, squeeze=False, layout="constrained")
     for ax, (label, ranks) in zip(axes[:, 0], runs.items()):
         t0 = min(start for spans in ranks for _, start, _ in spans)
@@ -48,7 +51,8 @@ def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str =
             ticks += [(y_compute, f"rank {r} compute"), (y_comm, f"rank {r} comm")]
             comm = sorted((s for s in spans if s[0] not in _COMPUTE), key=lambda s: s[1])
             for i, (what, start, end) in enumerate(comm):
-                ax.barh(y_comm, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.7, edgecolor="white",
+                ax.barh(y_comm, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.7,
+                        edgecolor="white",
                         lw=0.3, color="#55A868" if i % 2 == 0 else "#2E7D46")
             for what, start, end in spans:
                 if what in _COMPUTE:

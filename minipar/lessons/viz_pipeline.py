@@ -1,9 +1,12 @@
-"""Plots for the pipeline lesson (05): each function takes plain data and returns a matplotlib Figure.
+"""Plots for the pipeline lesson (05): each function takes plain data and returns a matplotlib
+Figure.
 
-    gantts(timelines)          several `pipeline.Timeline`s as Gantt charts (`viz_pipeline.gantt`), one panel each,
-                               stacked on one time axis: schedules side by side, or measured over simulated
-    against_m(ms, points)      a quantity against the number of micro-batches m, one colour per series:
-                               markers for what was simulated or measured, dashed lines for the formulas
+    gantts(timelines)          several `pipeline.Timeline`s as Gantt charts (`viz_pipeline.gantt`),
+                               one panel each, stacked on one time axis: schedules side by side, or
+                               measured over simulated
+    against_m(ms, points)      a quantity against the number of micro-batches m, one colour per
+                               series: markers for what was simulated or measured, dashed lines for
+                               the formulas
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ def gantts(timelines: dict, title: str | None = None, sharex: bool = True) -> Fi
     fig, axes = plt.subplots(n, 1, figsize=(10, 0.6 * n + sum(rows)), sharex=sharex, squeeze=False,
                              height_ratios=rows, layout="constrained")
     for ax, (name, tl) in zip(axes[:, 0], timelines.items()):
-        gantt(tl, ax=ax, title=f"{name}: bubble {tl.bubble:.1%}, peak in flight {max(tl.peak_in_flight)}")
+        gantt(tl, ax=ax, title=f"{name}: bubble {tl.bubble:.1%}, peak in flight "
+                               f"{max(tl.peak_in_flight)}")
         if sharex:
             ax.set_xlim(0, max(t.makespan for t in timelines.values()) or 1)
         if ax is not axes[-1, 0]:
@@ -31,17 +35,21 @@ def gantts(timelines: dict, title: str | None = None, sharex: bool = True) -> Fi
     return fig
 
 
-def against_m(ms: list[int], points: dict[str, list[float]], lines: dict[str, list[float]] | None = None,
-              ylabel: str = "", title: str = "", ax=None, lines_label: str = "dashed: the formula") -> Figure:
-    """points[name][i] (markers) and lines[name][i] (dashed, in the same colour) at m = ms[i]. Each series'
-    markers are smaller than the one before, so that series falling on the same values all stay visible."""
+def against_m(ms: list[int], points: dict[str, list[float]],
+              lines: dict[str, list[float]] | None = None,
+              ylabel: str = "", title: str = "", ax=None,
+              lines_label: str = "dashed: the formula") -> Figure:
+    """points[name][i] (markers) and lines[name][i] (dashed, in the same colour) at m = ms[i]. Each
+    series' markers are smaller than the one before, so that series falling on the same values all
+    stay visible."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.6), layout="constrained")
     names = list(dict.fromkeys([*points, *(lines or {})]))
     for i, name in enumerate(names):
         colour = COLOURS[i % len(COLOURS)]
         if lines and name in lines:
-            ax.plot(ms, lines[name], ls="--", lw=1.2, color=colour, label=None if name in points else name)
+            ax.plot(ms, lines[name], ls="--", lw=1.2, color=colour,
+                    label=None if name in points else name)
         if name in points:
             ax.plot(ms, points[name], "o", ms=max(9 - 1.8 * i, 3), color=colour, label=name)
     if lines and any(name in points for name in lines):
@@ -63,9 +71,10 @@ _CHUNK_HATCH = [None, "//", "..", "xx", "\\\\", "++"]
 
 
 def gantt(timeline, ax=None, title: str | None = None) -> Figure:
-    """A `pipeline.Timeline` (simulated or measured) drawn: one row per pipeline rank, one box per action,
-    coloured by op (F forward, B backward or input gradient, W weight gradient) and labelled with its
-    micro-batch; with several chunks per rank, a rank's later chunks are hatched. Grey is idle: the bubble."""
+    """A `pipeline.Timeline` (simulated or measured) drawn: one row per pipeline rank, one box per
+    action, coloured by op (F forward, B backward or input gradient, W weight gradient) and labelled
+    with its micro-batch; with several chunks per rank, a rank's later chunks are hatched. Grey is
+    idle: the bubble."""
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.8 + 0.45 * timeline.ranks), layout="constrained")
     span, p = timeline.makespan, timeline.ranks
@@ -81,11 +90,14 @@ def gantt(timeline, ax=None, title: str | None = None) -> Figure:
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, span or 1)
     ax.set_xlabel("time")
-    ops = [op for op in _PIPELINE if any(a.op == op for rank in timeline.events for a, _, _ in rank)]
+    ops = [op for op in _PIPELINE
+           if any(a.op == op for rank in timeline.events for a, _, _ in rank)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=_PIPELINE[op]) for op in ops]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#E6E6E6"))
-    ax.legend(handles, [*ops, "idle"], fontsize=8, ncols=len(handles), loc="lower right", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(handles, [*ops, "idle"], fontsize=8, ncols=len(handles), loc="lower right",
+              bbox_to_anchor=(1.0, 1.0))
     peaks = timeline.peak_in_flight
-    ax.set_title(title or f"bubble {timeline.bubble:.1%}, peak in flight {max(peaks, default=0)}", fontsize=10,
+    ax.set_title(title or f"bubble {timeline.bubble:.1%}, peak in flight {max(peaks, default=0)}",
+                 fontsize=10,
                  loc="left")
     return ax.figure

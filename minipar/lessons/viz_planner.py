@@ -1,12 +1,16 @@
-"""Plots for the planner lesson (07): each function takes planner `Estimate`s (or plain numbers) and returns a
-matplotlib Figure. They draw what an estimate holds and recompute nothing: the pipeline an
+"""Plots for the planner lesson (07): each function takes planner `Estimate`s (or plain numbers) and
+returns a matplotlib Figure. They draw what an estimate holds and recompute nothing: the pipeline an
 estimate simulated is `est.timeline` (a `pipeline.Timeline` in seconds, for `viz_pipeline.gantt`;
 its makespan + dp_comm + optimizer is the step time).
 
-    memory_stages(est)        memory per GPU of every pipeline stage, stacked by category, beside its capacity
-    breakdown(estimates)      step times cut into the planner's terms (planner.TERMS), one bar per estimate
-    ratios(rows)              predicted / published for several runs, with a band (e.g. the 10% we promise)
-    splits(estimates)         layers per pipeline chunk and micro-batches per DP replica, coloured by GPU kind
+    memory_stages(est)        memory per GPU of every pipeline stage, stacked by category, beside
+                              its capacity
+    breakdown(estimates)      step times cut into the planner's terms (planner.TERMS), one bar per
+                              estimate
+    ratios(rows)              predicted / published for several runs, with a band (e.g. the 10% we
+                              promise)
+    splits(estimates)         layers per pipeline chunk and micro-batches per DP replica, coloured
+                              by GPU kind
 """
 from __future__ import annotations
 
@@ -19,15 +23,18 @@ from minipar.mesh import grid_ranks
 from minipar.planner.cluster import GiB
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-TERM_COLOURS = dict(zip(planner.TERMS, ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#C8C8C8", "#DA8BC3",
+TERM_COLOURS = dict(zip(planner.TERMS,
+                        ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#C8C8C8", "#DA8BC3",
                                         "#55A868", "#C44E52"]))
 
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:
-    """GiB per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order, with each
-    stage's capacity (its GPUs' memory_per_gpu, the smallest if they differ) as a black tick."""
+    """GiB per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order, with
+    each stage's capacity (its GPUs' memory_per_gpu, the smallest if they differ) as a black
+    tick."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.5 * len(est.stages)), 3.6), layout="constrained")
+        _, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.5 * len(est.stages)), 3.6),
+                             layout="constrained")
     stages = range(len(est.stages))
     bottom = [0.0 for _ in stages]
     for i, cat in enumerate(CATEGORIES):
@@ -37,13 +44,15 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
     dp, tp, pp = est.par.dp, est.par.tp, est.par.pp
     capacity = [min(est.cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, pp, pp_rank=r))
                 / GiB for r in stages]
-    ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2, label="capacity")
+    ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2,
+              label="capacity")
     if len(est.stages) <= 16:
         for r, total in zip(stages, bottom):
             ax.text(r, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(stages), [str(r) for r in stages], fontsize=7 if len(est.stages) > 16 else 9)
     pad = max(0.0, (3 - len(est.stages)) / 2)  # a bar or two do not fill the axes
-    ax.set(xlabel="pipeline stage", ylabel="GiB per GPU", ylim=(0, 1.15 * max(max(bottom), max(capacity))),
+    ax.set(xlabel="pipeline stage", ylabel="GiB per GPU",
+           ylim=(0, 1.15 * max(max(bottom), max(capacity))),
            xlim=(-0.6 - pad, len(est.stages) - 0.4 + pad))
     ax.set_title(title or f"memory per GPU, {est.label}", fontsize=10, loc="left")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -73,8 +82,11 @@ def breakdown(estimates: dict, ax=None, title: str = "where the step time goes")
     return ax.figure
 
 
-def ratios(rows: dict[str, dict[str, float]], band: float = 0.10, title: str = "predicted / published") -> Figure:
-    """{row: {series: predicted / published}} as grouped horizontal bars around 1, the ±band shaded."""
+def ratios(
+    rows: dict[str, dict[str, float]], band: float = 0.10, title: str = "predicted / published"
+) -> Figure:
+    """{row: {series: predicted / published}} as grouped horizontal bars around 1, the ±band
+    shaded."""
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(rows)), layout="constrained")
     series = list(dict.fromkeys(s for r in rows.values() for s in r))
     h = 0.8 / len(series)
@@ -83,7 +95,8 @@ def ratios(rows: dict[str, dict[str, float]], band: float = 0.10, title: str = "
         vals = [r.get(s, float("nan")) for r in rows.values()]
         ax.barh(ys, [v - 1 for v in vals], h, left=1, color=COLOURS[i], label=s)
         for y, v in zip(ys, vals):
-            ax.text(v, y, f" {v:.3f} " if v >= 1 else f"{v:.3f} ", va="center", ha="left" if v >= 1 else "right",
+            ax.text(v, y, f" {v:.3f} " if v >= 1 else f"{v:.3f} ", va="center",
+                    ha="left" if v >= 1 else "right",
                     fontsize=7)
     ax.axvspan(1 - band, 1 + band, color="grey", alpha=0.15, label=f"±{band:.0%}")
     ax.axvline(1, color="black", lw=0.8)
@@ -97,13 +110,15 @@ def ratios(rows: dict[str, dict[str, float]], band: float = 0.10, title: str = "
 
 
 def splits(estimates: dict, title: str = "how the work is split") -> Figure:
-    """{label: Estimate}: left, the layers of each pipeline chunk; right, the micro-batches of each DP
-    replica; every segment coloured by the GPU kind of its ranks (grey: ranks of several kinds) and labelled
-    with its count."""
-    kinds = list(dict.fromkeys(g.name for e in estimates.values() for g in (e.cluster.groups or (e.cluster,))))
+    """{label: Estimate}: left, the layers of each pipeline chunk; right, the micro-batches of each
+    DP replica; every segment coloured by the GPU kind of its ranks (grey: ranks of several kinds)
+    and labelled with its count."""
+    kinds = list(dict.fromkeys(g.name for e in estimates.values()
+                               for g in (e.cluster.groups or (e.cluster,))))
     colour = {k: COLOURS[i % len(COLOURS)] for i, k in enumerate(kinds)}
     colour["several kinds"] = "#A0A0A0"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(estimates)), sharey=True, layout="constrained")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(estimates)), sharey=True,
+                             layout="constrained")
     for y, (label, e) in enumerate(estimates.items()):
         dp, tp, p = e.par.dp, e.par.tp, e.par.pp
         parts = (("layers", e.layers, lambda c: grid_ranks(dp, tp, p, pp_rank=c % p)),
@@ -114,9 +129,11 @@ def splits(estimates: dict, title: str = "how the work is split") -> Figure:
                 names = {e.cluster.device(r).name for r in ranks_of(i)}
                 kind = names.pop() if len(names) == 1 else "several kinds"
                 ax.barh(y, n, 0.6, left=left, color=colour[kind], ec="white", lw=1)
-                ax.text(left + n / 2, y, str(n), ha="center", va="center", fontsize=8, color="white")
+                ax.text(left + n / 2, y, str(n), ha="center", va="center", fontsize=8,
+                        color="white")
                 left += n
-    for ax, what in zip(axes, ("layers per pipeline chunk (stage order)", "micro-batches per DP replica")):
+    for ax, what in zip(axes, ("layers per pipeline chunk (stage order)", "micro-batches per DP "
+                                                                          "replica")):
         ax.set_title(what, fontsize=10, loc="left")
         ax.set_xticks([])
     axes[0].set_yticks(range(len(estimates)), list(estimates), fontsize=8)

@@ -1,8 +1,11 @@
 """Plots for the tensor-parallel lesson (04): each function takes plain data and returns a Figure.
 
-    splits(t)                      Megatron's cuts drawn: the MLP's A by columns and B by rows, attention by heads
-    activation_bars(runs)          predicted activation memory by part beside the measured total, per layout
-    comm_compute(ratios, degrees)  TP's communication time over its compute time, per link, against t
+    splits(t)                      Megatron's cuts drawn: the MLP's A by columns and B by rows,
+                                   attention by heads
+    activation_bars(runs)          predicted activation memory by part beside the measured total,
+                                   per layout
+    comm_compute(ratios, degrees)  TP's communication time over its compute time, per link, against
+                                   t
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ WHOLE = "#BBBBBB"  # a tensor every rank holds whole
 
 
 def _matrix(ax, x, y, w, h, t, cut, label, names=None, lines=0):
-    """A w x h matrix at (x, y), cut into t blocks by "cols" or "rows" ("none": whole, grey), block r in
-    rank r's colour, named names[r]; `lines` thinner cuts per block (the heads)."""
+    """A w x h matrix at (x, y), cut into t blocks by "cols" or "rows" ("none": whole, grey), block
+    r in rank r's colour, named names[r]; `lines` thinner cuts per block (the heads)."""
     for r in range(t if cut != "none" else 1):
         bx, by, bw, bh = (x + r * w / t, y, w / t, h) if cut == "cols" else \
             (x, y + (t - 1 - r) * h / t, w, h / t) if cut == "rows" else (x, y, w, h)
@@ -24,7 +27,8 @@ def _matrix(ax, x, y, w, h, t, cut, label, names=None, lines=0):
         for k in range(1, lines):
             ax.plot([bx + k * bw / lines] * 2, [by, by + bh], color="white", lw=0.8)
         if names and min(bw, bh) >= 0.3:  # named where the name fits
-            ax.text(bx + bw / 2, by + bh / 2, names[r], ha="center", va="center", fontsize=9, weight="bold")
+            ax.text(bx + bw / 2, by + bh / 2, names[r], ha="center", va="center", fontsize=9,
+                    weight="bold")
     ax.text(x + w / 2, y - 0.12, label, ha="center", va="top", fontsize=8)
 
 
@@ -35,8 +39,8 @@ def _op(ax, x, y, text, size=12):
 def splits(t: int = 2, heads: int = 4) -> Figure:
     """Which rank holds which block. Top, the MLP Z = GeLU(X A) B: A = [A_1 | ... | A_t] by columns,
     B = [B_1; ...; B_t] by rows, so rank r computes Z_r = GeLU(X A_r) B_r alone and g sums the Z_r.
-    Bottom, attention: W_q, W_k, W_v by columns, a whole number of heads (`heads` in all) per rank, each
-    rank's heads attend alone, W_o by rows, g sums. f and g mark where the ranks meet."""
+    Bottom, attention: W_q, W_k, W_v by columns, a whole number of heads (`heads` in all) per rank,
+    each rank's heads attend alone, W_o by rows, g sums. f and g mark where the ranks meet."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 5.0), layout="constrained")
     sub = [f"$_{{{r}}}$" for r in range(t)]  # blocks numbered by the rank that holds them, from 0
     # the MLP: X (s x h), A (h x 4h), Y (s x 4h), B (4h x h), Z (s x h) summed
@@ -65,9 +69,11 @@ def splits(t: int = 2, heads: int = 4) -> Figure:
     per = heads // t
     for k in range(heads):
         r = k // per
-        bottom.add_patch(plt.Rectangle((5.7 + 0.45 * k, 0.75), 0.38, 0.7, fc=RANK_COLOURS[r], alpha=0.75, ec="black"))
+        bottom.add_patch(plt.Rectangle((5.7 + 0.45 * k, 0.75), 0.38, 0.7, fc=RANK_COLOURS[r],
+                                       alpha=0.75, ec="black"))
         bottom.text(5.89 + 0.45 * k, 1.1, f"head\n{k}", ha="center", va="center", fontsize=7)
-    bottom.text(5.7 + 0.45 * heads / 2, 0.62, "softmax(q kᵀ/√d) v\nper head: rank r's,\nno communication",
+    bottom.text(5.7 + 0.45 * heads / 2, 0.62, "softmax(q kᵀ/√d) v\nper head: rank r's,\nno "
+                                              "communication",
                 ha="center", va="top", fontsize=8)
     x_o = 6.1 + 0.45 * heads
     _matrix(bottom, x_o, 0.5, 1.2, 1.2, t, "rows", "W_o  (h × h)\nby rows", [f"O{s}" for s in sub])
@@ -86,20 +92,24 @@ def splits(t: int = 2, heads: int = 4) -> Figure:
     return fig
 
 
-def activation_bars(runs: dict[str, tuple[dict, int]], title: str = "activation memory per rank") -> Figure:
-    """{label: (predicted bytes by part, measured bytes)}: the prediction stacked by part (hatched, left),
-    the measurement (right), in KiB, with measured / predicted above each pair."""
+def activation_bars(runs: dict[str, tuple[dict, int]],
+                    title: str = "activation memory per rank") -> Figure:
+    """{label: (predicted bytes by part, measured bytes)}: the prediction stacked by part (hatched,
+    left), the measurement (right), in KiB, with measured / predicted above each pair."""
     parts = list(next(iter(runs.values()))[0])
     colours = dict(zip(parts, RANK_COLOURS[3:]))
     fig, ax = plt.subplots(figsize=(1.5 + 1.1 * len(runs), 3.8), layout="constrained")
     for x, (label, (predicted, measured)) in enumerate(runs.items()):
         bottom = 0.0
         for part in parts:
-            ax.bar(x - 0.2, predicted[part] / 1024, 0.38, bottom=bottom, color=colours[part], hatch="//",
+            ax.bar(x - 0.2, predicted[part] / 1024, 0.38, bottom=bottom, color=colours[part],
+                   hatch="//",
                    ec="white", lw=0.3, label=f"predicted: {part}" if x == 0 else None)
             bottom += predicted[part] / 1024
-        ax.bar(x + 0.2, measured / 1024, 0.38, color="#555555", label="measured" if x == 0 else None)
-        ax.text(x, max(bottom, measured / 1024), f"×{measured / sum(predicted.values()):.3f}", ha="center",
+        ax.bar(x + 0.2, measured / 1024, 0.38, color="#555555",
+               label="measured" if x == 0 else None)
+        ax.text(x, max(bottom, measured / 1024), f"×{measured / sum(predicted.values()):.3f}",
+                ha="center",
                 va="bottom", fontsize=8)
     ax.set_xticks(range(len(runs)), list(runs), fontsize=8)
     ax.set(ylabel="KiB per rank", title=title)
@@ -108,11 +118,16 @@ def activation_bars(runs: dict[str, tuple[dict, int]], title: str = "activation 
     return fig
 
 
-def comm_compute(ratios: dict[str, dict[str, list[float]]], degrees: list[int],
-                 title: str = "tensor parallelism: communication time / compute time, per layer") -> Figure:
-    """{model: {link: [comm / compute for each t in degrees]}}, one panel per model, log scale; above 1
-    the all-reduces, which the next matmul waits for, take longer than the layer's matmuls."""
-    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios) + 1, 3.6), sharey=True, squeeze=False,
+def comm_compute(
+    ratios: dict[str, dict[str, list[float]]],
+    degrees: list[int],
+    title: str = "tensor parallelism: communication time / compute time, per layer",
+) -> Figure:
+    """{model: {link: [comm / compute for each t in degrees]}}, one panel per model, log scale;
+    above 1 the all-reduces, which the next matmul waits for, take longer than the layer's
+    matmuls."""
+    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios) + 1, 3.6), sharey=True,
+                             squeeze=False,
                              layout="constrained")
     for ax, (model, links) in zip(axes[0], ratios.items()):
         for (link, ys), marker in zip(links.items(), "osd^v"):

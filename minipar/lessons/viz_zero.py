@@ -1,6 +1,7 @@
 """Plots for lesson 03 (ZeRO): model states against N_d, and stage 3's gathers over a step.
 
-    zero_stages(table)    model states per device against N_d for the ZeRO stages (the paper's Table I)
+    zero_stages(table)    model states per device against N_d for the ZeRO stages (the paper's Table
+                          I)
     gather_timeline(...)  ZeRO-3's gathers and frees over one step, and the gathered bytes held
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from matplotlib.figure import Figure
 def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | None = None,
                 title: str = "model states per device") -> Figure:
     """GB per device against N_d, one bar per ZeRO stage ({N_d: {stage: GB}}, as `memory.zero_table`
-    gives), on a log scale; `paper` ({N_d: (stage 1, 2, 3)}) adds the published figures as black ticks."""
+    gives), on a log scale; `paper` ({N_d: (stage 1, 2, 3)}) adds the published figures as black
+    ticks."""
     n_ds, stages = list(table), sorted(next(iter(table.values())))
     fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(n_ds), 3.8), layout="constrained")
     w = 0.8 / len(stages)
@@ -36,8 +38,8 @@ def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | No
 
 def gather_timeline(trace: dict, predicted_peak: int | None = None,
                     title: str = "ZeRO-3: when each unit's parameters are gathered") -> Figure:
-    """A `demos.zero3_trace` drawn. Top: one row per unit, a bar from the launch of its all-gather to
-    its free (blue in forward, orange in backward), hatched red where the compute waited for it.
+    """A `demos.zero3_trace` drawn. Top: one row per unit, a bar from the launch of its all-gather
+    to its free (blue in forward, orange in backward), hatched red where the compute waited for it.
     Bottom: the gathered bytes held over time, with `predicted_peak` as a dashed line if given."""
     t0 = trace["phases"][0][1]
     ms = lambda t: (t - t0) * 1e3

@@ -1,8 +1,10 @@
 """Pipeline parallelism: schedules as data (schedules.py), their timelines (simulate.py).
 
     from minipar import pipeline
-    plan = pipeline.schedule("1f1b", stages=4, microbatches=8)     # plan[rank] = [Action("F", 0, 0), ...]
-    pipeline.check(plan, 4, 8)                                      # raises ValueError if it cannot run
+    plan = pipeline.schedule("1f1b", stages=4, microbatches=8)     # plan[rank] = [Action("F", 0,
+    0), ...]
+    pipeline.check(plan, 4, 8)                                      # raises ValueError if it cannot
+    run
     tl = pipeline.simulate(plan, 4, 8, cost={"F": 1, "B": 2})       # tl.bubble, tl.peak_in_flight
     pipeline.to_chrome_trace(tl, "1f1b.json"); minipar.viz.gantt(tl)
 """

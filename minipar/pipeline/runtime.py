@@ -1,33 +1,37 @@
-"""Pipeline runtime: cut the GPT into chunks, then run any schedule's actions with point-to-point sends.
+"""Pipeline runtime: cut the GPT into chunks, then run any schedule's actions with point-to-point
+sends.
 
-Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the batch
-into m micro-batches; activations travel forward from stage to stage and their gradients travel back,
-so that stages work on different micro-batches at once (GPipe, Huang et al. 2019; 1F1B, interleaving:
-Narayanan et al. 2021; the B/W split: Qi et al. 2023). The order of the work is the schedule, which is
-data (`minipar.pipeline.schedules`); this file executes any valid one.
+Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the
+batch into m micro-batches; activations travel forward from stage to stage and their gradients
+travel back, so that stages work on different micro-batches at once (GPipe, Huang et al. 2019; 1F1B,
+interleaving: Narayanan et al. 2021; the B/W split: Qi et al. 2023). The order of the work is the
+schedule, which is data (`minipar.pipeline.schedules`); this file executes any valid one.
 
     chunk k of p·v lives on pipeline rank k % p        (v = 1:  rank 0 | rank 1 | ... | rank p-1)
-    F(k, j): x_j -> chunk k -> send to rank of k+1     B(k, j): dy from rank of k+1 -> backward -> send dx
+    F(k, j): x_j -> chunk k -> send to rank of k+1     B(k, j): dy from rank of k+1 -> backward ->
+                                                       send dx
 
 Costs, P parameters, b micro-batch size, s sequence length, h hidden size, 4-byte activations:
     parameters per rank     ~ P/p (the first stage also has the embeddings, the last the head; see
                             `partition` to balance them by measured cost)
-    p2p per micro-batch     b·s·h·4 bytes each way across every boundary between chunks on different ranks:
-                            per step 2·(p·v-1)·m·b·s·h·4 bytes in all (a rank sends its chunks' outputs
-                            forward and its input gradients back); nothing when consecutive chunks share a rank
-    activations in flight   the schedule decides: GPipe m micro-batches on every rank, 1F1B at most p-r on
-                            rank r (`PipelineExecutor.peak_in_flight` measures it), each holding its chunk's
-                            saved activations (Korthikanti et al. 2022: s·b·h·(34 + 5·a·s/h) bytes per layer,
-                            16-bit). A split B/W keeps them longer: until W (see `PipelineExecutor._weight`).
+    p2p per micro-batch     b·s·h·4 bytes each way across every boundary between chunks on different
+                            ranks: per step 2·(p·v-1)·m·b·s·h·4 bytes in all (a rank sends its
+                            chunks' outputs forward and its input gradients back); nothing when
+                            consecutive chunks share a rank
+    activations in flight   the schedule decides: GPipe m micro-batches on every rank, 1F1B at most
+                            p-r on rank r (`PipelineExecutor.peak_in_flight` measures it), each
+                            holding its chunk's saved activations (Korthikanti et al. 2022:
+                            s·b·h·(34 + 5·a·s/h) bytes per layer, 16-bit). A split B/W keeps them
+                            longer: until W (see `PipelineExecutor._weight`).
 
 How messages match without tags (NCCL ignores them): every message has one producer action, and the
-whole schedule is known on every rank, so each pair of ranks can list the messages between them in one
-order both follow: the order in which a dependency-respecting replay produces them (`message_order`).
-Sends are non-blocking and posted right after the action that produces them; receives are posted
-lazily, when an action needs one, together with every earlier entry of that pair's list; all sends
-are waited at the end of the step. On gloo this keeps FIFO matching right; on NCCL, where the sends and
-receives of one pair of ranks run in order on one stream, it means both ranks queue them in the same
-order, so none waits behind a message the other has not queued yet.
+whole schedule is known on every rank, so each pair of ranks can list the messages between them in
+one order both follow: the order in which a dependency-respecting replay produces them
+(`message_order`). Sends are non-blocking and posted right after the action that produces them;
+receives are posted lazily, when an action needs one, together with every earlier entry of that
+pair's list; all sends are waited at the end of the step. On gloo this keeps FIFO matching right; on
+NCCL, where the sends and receives of one pair of ranks run in order on one stream, it means both
+ranks queue them in the same order, so none waits behind a message the other has not queued yet.
 """
 from __future__ import annotations
 
@@ -46,23 +50,28 @@ from minipar.pipeline.schedules import Action, check, replay
 
 
 def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]:
-    """Contiguous layer ranges, one per chunk: uniform, given sizes, or minimising the largest chunk's cost.
+    """Contiguous layer ranges, one per chunk: uniform, given sizes, or minimising the largest
+    chunk's cost.
 
     costs=None: sizes differ by at most one, the first chunks take the extra layers.
-    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers: a heterogeneous plan's split).
-    costs: n_layer per-layer costs (seconds, FLOPs...), or n_layer + 2 values [embedding, layer 0, ...,
-    layer l-1, head + loss]: the first chunk then also pays the embedding and the last the head. The
-    split minimises the maximum chunk cost (dynamic programming over the boundaries, O(chunks·l²)).
+    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers: a heterogeneous plan's
+    split).
+    costs: n_layer per-layer costs (seconds, FLOPs...), or n_layer + 2 values [embedding, layer 0,
+    ..., layer l-1, head + loss]: the first chunk then also pays the embedding and the last the
+    head. The split minimises the maximum chunk cost (dynamic programming over the boundaries,
+    O(chunks·l²)).
     """
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if chunks > n_layer:
-        raise ValueError(f"chunks ({chunks}) must not exceed n_layer ({n_layer}): every chunk needs a layer")
+        raise ValueError(f"chunks ({chunks}) must not exceed n_layer ({n_layer}): every chunk "
+                         "needs a layer")
     if layers is not None:
         if costs is not None:
             raise ValueError("give partition costs or layers, not both")
         if len(layers) != chunks or sum(layers) != n_layer or min(layers) < 1:
-            raise ValueError(f"layers {tuple(layers)} must be {chunks} sizes >= 1 summing to n_layer ({n_layer})")
+            raise ValueError(f"layers {tuple(layers)} must be {chunks} sizes >= 1 summing to "
+                             f"n_layer ({n_layer})")
         bounds = [0, *itertools.accumulate(layers)]
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     size, extra = divmod(n_layer, chunks)
@@ -70,14 +79,19 @@ def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]
     if costs is not None:
         costs = [float(c) for c in costs]
         if len(costs) not in (n_layer, n_layer + 2):
-            raise ValueError(f"costs must have n_layer ({n_layer}) or n_layer + 2 values, got {len(costs)}")
+            raise ValueError(f"costs must have n_layer ({n_layer}) or n_layer + 2 values, got "
+                             f"{len(costs)}")
         emb, head = (costs.pop(0), costs.pop()) if len(costs) == n_layer + 2 else (0.0, 0.0)
         prefix = [0.0, *itertools.accumulate(costs)]
-        cost = lambda a, b: prefix[b] - prefix[a] + emb * (a == 0) + head * (b == n_layer)  # noqa: E731
-        best = {(0, 0): (0.0, 0)}  # (k, i) -> (least max cost of layers [0, i) in k chunks, where the k-th starts)
+        # noqa: E731
+        cost = lambda a, b: prefix[b] - prefix[a] + emb * (a == 0) + head * (b == n_layer)
+        best = {(0, 0): (0.0, 0)}  # (k, i) -> (least max cost of layers [0, i) in k chunks, where
+                                   #   the k-th starts)
         for k in range(1, chunks + 1):
             for i in range(k, n_layer + 1):
-                best[k, i] = min((max(best[k - 1, j][0], cost(j, i)), j) for j in range(k - 1, i) if (k - 1, j) in best)
+                best[k,
+                     i] = min((max(best[k - 1, j][0], cost(j, i)), j) for j in range(k - 1, i)
+                              if (k - 1, j) in best)
         bounds = [n_layer]
         for k in range(chunks, 0, -1):
             bounds.insert(0, best[k, bounds[0]][1])
@@ -87,8 +101,9 @@ def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]
 class Chunk(nn.Module):
     """Some consecutive layers of a GPT, holding the GPT's own modules (references, not copies).
 
-    forward: idx (B, T) int64 if `first`, else hidden (B, T, h) -> hidden (B, T, h), or logits (B, T, V)
-    if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"), so state dicts merge back.
+    forward: idx (B, T) int64 if `first`, else hidden (B, T, h) -> hidden (B, T, h), or logits (B,
+    T, V) if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"), so state dicts merge
+    back.
     """
 
     def __init__(self, model: GPT, layers: range, first: bool, last: bool):
@@ -102,7 +117,8 @@ class Chunk(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # the same expression as GPT.forward, so the numbers are the same
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))  # (B, T, h)
+            # (B, T, h)
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
@@ -110,16 +126,16 @@ class Chunk(nn.Module):
 
 def chunks_for_rank(model: GPT, pp: int, pp_rank: int, virtual_stages: int = 1, costs=None,
                     layers=None) -> dict[int, Chunk]:
-    """This rank's chunks {global chunk index: Chunk}: chunk k of pp·virtual_stages lives on rank k % pp;
-    their layers as `partition` cuts them (uniform, by costs, or the sizes `layers`)."""
+    """This rank's chunks {global chunk index: Chunk}: chunk k of pp·virtual_stages lives on rank k
+    % pp; their layers as `partition` cuts them (uniform, by costs, or the sizes `layers`)."""
     n = pp * virtual_stages
     layers = partition(model.cfg.n_layer, n, costs, layers)
     return {k: Chunk(model, layers[k], k == 0, k == n - 1) for k in range(pp_rank, n, pp)}
 
 
 def free_unused(model: GPT, chunks) -> None:
-    """Replace the GPT's modules that none of `chunks` uses by nn.Identity, so that their memory goes and
-    model.parameters() / model.state_dict() are this rank's share (names unchanged)."""
+    """Replace the GPT's modules that none of `chunks` uses by nn.Identity, so that their memory
+    goes and model.parameters() / model.state_dict() are this rank's share (names unchanged)."""
     kept = {id(m) for chunk in chunks for m in chunk.modules()}
     for i, block in enumerate(model.blocks):
         if id(block) not in kept:
@@ -130,7 +146,8 @@ def free_unused(model: GPT, chunks) -> None:
 
 
 def gather_stages(share, group) -> list:
-    """Every pipeline stage's `share` (any picklable object: its part of the weights...), in stage order."""
+    """Every pipeline stage's `share` (any picklable object: its part of the weights...), in stage
+    order."""
     if group is None or dist.get_world_size(group) == 1:
         return [share]
     shares = [None] * dist.get_world_size(group)
@@ -138,7 +155,8 @@ def gather_stages(share, group) -> list:
     return shares
 
 
-# ----------------------------------------------------------------------------- the schedule's messages
+# ----------------------------------------------------------------------------- the schedule's
+# messages
 
 
 def _key(a) -> tuple[str, int, int]:
@@ -146,26 +164,31 @@ def _key(a) -> tuple[str, int, int]:
 
 
 def _ends(key: tuple, p: int) -> tuple[int, int]:
-    """(sending rank, receiving rank) of message `key`: F(c) goes to chunk c+1, B(c) to chunk c-1."""
+    """(sending rank, receiving rank) of message `key`: F(c) goes to chunk c+1, B(c) to chunk
+    c-1."""
     return key[1] % p, (key[1] + (1 if key[0] == "F" else -1)) % p
 
 
 def message_order(schedule, chunks: int) -> list[tuple]:
     """Every message of a step, named by the action that produces it (F(c): the activation for chunk
-    c+1; B(c): the gradient for chunk c-1), in the order `schedules.replay` produces them: each rank runs
-    its next action as soon as its inputs exist. Any such order is causal, which is all matching needs."""
+    c+1; B(c): the gradient for chunk c-1), in the order `schedules.replay` produces them: each rank
+    runs its next action as soon as its inputs exist. Any such order is causal, which is all
+    matching needs."""
     p = len(schedule)
     done, stuck = replay([[Action(*_key(a)) for a in ops] for ops in schedule], p, chunks // p)
     if stuck:
-        raise ValueError("the schedule deadlocks: " + ", ".join(f"rank {r} at {a} waits for {d}" for r, a, d in stuck))
-    return [_key(a) for a in done if (a.op == "F" and a.stage < chunks - 1) or (a.op == "B" and a.stage > 0)]
+        raise ValueError("the schedule deadlocks: " + ", ".join(f"rank {r} at {a} waits for {d}"
+                                                                for r, a, d in stuck))
+    return [_key(a) for a in done if (a.op == "F" and a.stage < chunks - 1)
+            or (a.op == "B" and a.stage > 0)]
 
 
 # ----------------------------------------------------------------------------- the executor
 
 
 class PipelineExecutor:
-    """Runs this rank's actions of `schedule` (one list of Actions per pipeline rank), a step at a time.
+    """Runs this rank's actions of `schedule` (one list of Actions per pipeline rank), a step at a
+    time.
 
     chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the
     activations between chunks; group: the pipeline group (None: the world, or no process group when
@@ -182,36 +205,43 @@ class PipelineExecutor:
         self.n_chunks = 1 + max(a.stage for rank in schedule for a in rank)
         self.m = 1 + max(a.microbatch for rank in schedule for a in rank)
         self.split = any(a.op == "W" for rank in schedule for a in rank)
-        check([[Action(*_key(a)) for a in ops] for ops in schedule], self.p, self.m, self.n_chunks // self.p)
-        self.ranks, self.rank = [dist.get_rank() if dist.is_initialized() else 0], 0  # p = 1: all local
+        check([[Action(*_key(a)) for a in ops] for ops in schedule], self.p, self.m,
+              self.n_chunks // self.p)
+        # p = 1: all local
+        self.ranks, self.rank = [dist.get_rank() if dist.is_initialized() else 0], 0
         if self.p > 1:
             self.ranks = dist.get_process_group_ranks(group) if group is not None else \
                 list(range(dist.get_world_size()))
             self.rank = self.ranks.index(dist.get_rank())
         if len(self.ranks) != self.p:
-            raise ValueError(f"the schedule has {self.p} ranks but the pipeline group {len(self.ranks)}")
+            raise ValueError(f"the schedule has {self.p} ranks but the pipeline group "
+                             f"{len(self.ranks)}")
         if set(self.chunks) != set(range(self.rank, self.n_chunks, self.p)):
-            raise ValueError(f"rank {self.rank} holds chunks {sorted(self.chunks)}, the schedule puts "
+            raise ValueError(f"rank {self.rank} holds chunks {sorted(self.chunks)}, the schedule "
+                             "puts "
                              f"{list(range(self.rank, self.n_chunks, self.p))} there")
         self.actions, self.group, self.shape = list(schedule[self.rank]), group, tuple(shape)
         self.loss_fn = loss_fn  # (logits, targets) -> mean loss; tensor parallelism passes its own
         self.stats, self.after_compute = stats, after_compute
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.device = params[0].device
-        self.dtype = next(p.dtype for p in params if p.is_floating_point())  # of what travels between chunks
+        # of what travels between chunks
+        self.dtype = next(p.dtype for p in params if p.is_floating_point())
         # this rank's messages, per peer, in the order both ends follow: (key, True if we send it)
         self.queues = {q: [] for q in range(self.p) if q != self.rank}
         for key in message_order(schedule, self.n_chunks):
             src, dst = _ends(key, self.p)
             if src != dst and self.rank in (src, dst):
                 self.queues[dst if src == self.rank else src].append((key, src == self.rank))
-        # modules holding parameters, deepest first: in split mode W runs their weight gradients one by one
-        # (depth: the chunk itself 0, its children 1...; a tie with the chunk would hand it their parameters)
-        depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n, m in c.named_modules()}
+        # modules holding parameters, deepest first: in split mode W runs their weight gradients one
+        # by one (depth: the chunk itself 0, its children 1...; a tie with the chunk would hand it
+        # their parameters)
+        depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n,
+                 m in c.named_modules()}
         self.owners = {k: sorted((m for m in c.modules() if any(True for _ in m.parameters())),
                                  key=lambda m: -depth[id(m)]) for k, c in self.chunks.items()}
-        # split mode: each F records what those modules output (hooks set once, live only during an F: a
-        # recomputed forward in B must not add to it)
+        # split mode: each F records what those modules output (hooks set once, live only during an
+        # F: a recomputed forward in B must not add to it)
         self._captured = None
         if self.split:
             for m in {id(m): m for ms in self.owners.values() for m in ms}.values():
@@ -236,7 +266,9 @@ class PipelineExecutor:
         queue = self.queues[peer]
         while self._posted[peer] < len(queue):
             k, send = queue[self._posted[peer]]
-            assert not send or k in self._outbox, f"message {k} to rank {peer} is due before {key}, not made yet"
+            assert not send or k in self._outbox, (
+                f"message {k} to rank {peer} is due before {key}, not made yet"
+            )
             if send:
                 t = self._outbox.pop(k)
                 work = comm.isend(t, self.ranks[peer], self.group, "p2p", self.stats, calls=1)
@@ -286,10 +318,12 @@ class PipelineExecutor:
         dy = None if c == self.n_chunks - 1 else self._receive(("B", c + 1, j))
         start = time.perf_counter()
         x, out, captured = self._saved.pop((c, j))
-        if self.split:  # input gradient only; keep the graph and each weight-owning module's output grad
+        if self.split:  # input gradient only; keep the graph and each weight-owning module's output
+                        #   grad
             wanted = ([x] if c > 0 else []) + [y for _, y, _ in captured]
             grads = torch.autograd.grad(out, wanted, dy, retain_graph=True, allow_unused=True)
-            dx, self._saved[(c, j)] = (grads[0] if c > 0 else None), (captured, grads[1 if c > 0 else 0:])
+            dx, self._saved[(c, j)] = (grads[0] if c > 0 else None), (captured,
+                                                                      grads[1 if c > 0 else 0:])
         else:
             torch.autograd.backward(out, dy)
             dx = x.grad
@@ -302,12 +336,13 @@ class PipelineExecutor:
             self._captured.append((module, output))
 
     def _assign(self, c: int, captured: list) -> list:
-        """[(module, output, params)]: each parameter to the deepest module that ran on it. A module the
-        forward does not call (tensor parallelism's q, k, v, used through their weights) leaves its
-        parameters to the one that did (the attention)."""
+        """[(module, output, params)]: each parameter to the deepest module that ran on it. A module
+        the forward does not call (tensor parallelism's q, k, v, used through their weights) leaves
+        its parameters to the one that did (the attention)."""
         outputs, taken, owned = dict((id(m), y) for m, y in captured), set(), []
         for m in self.owners[c]:
-            params = [p for p in m.parameters() if p.requires_grad and id(p) not in taken] if id(m) in outputs else []
+            params = [p for p in m.parameters() if p.requires_grad
+                      and id(p) not in taken] if id(m) in outputs else []
             taken.update(id(p) for p in params)
             if params:
                 owned.append((m, outputs[id(m)], params))
@@ -316,11 +351,12 @@ class PipelineExecutor:
     def _weight(self, c: int, j: int) -> float:
         """W: each weight-owning module's parameter gradients from its output gradient, saved by B.
 
-        One backward per module, from its output to the parameters `_assign` gave it (a single backward from all
-        outputs would also flow through later modules into earlier ones and count gradients twice). The
-        work is the weight-gradient GEMMs alone; the price is memory: from B to W a micro-batch keeps its
-        whole autograd graph (its saved activations, as between F and B) plus one output gradient per
-        module that owns weights (~ 12·b·s·h per layer, and b·s·V for the head).
+        One backward per module, from its output to the parameters `_assign` gave it (a single
+        backward from all outputs would also flow through later modules into earlier ones and count
+        gradients twice). The work is the weight-gradient GEMMs alone; the price is memory: from B
+        to W a micro-batch keeps its whole autograd graph (its saved activations, as between F and
+        B) plus one output gradient per module that owns weights (~ 12·b·s·h per layer, and b·s·V
+        for the head).
         """
         start = time.perf_counter()
         captured, grads = self._saved.pop((c, j))
@@ -328,16 +364,23 @@ class PipelineExecutor:
             if dy is not None:
                 # kept: paths may share nodes (the attention's to q, k, v passes the projection's);
                 # the graph goes when this micro-batch's outputs do, at the end of this call
-                torch.autograd.backward(y, dy, inputs=params, retain_graph=True)  # into .grad, hooks fire
+                # into .grad, hooks fire
+                torch.autograd.backward(y, dy, inputs=params, retain_graph=True)
         return start
 
     def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> tuple[float, list]:
-        """Run this rank's actions once. inputs[j] (b, s) token ids of micro-batch j are needed where chunk
-        0 lives, targets[j] where the last chunk lives. Returns (loss, timeline): loss = sum over j of
-        cross_entropy_j / m as a float on the rank of the last chunk and 0.0 elsewhere (so a sum over the
-        pipeline group gives it to all); timeline = [(action, start, end)] in time.perf_counter seconds,
-        start being when the action's inputs had arrived. The backward runs on loss · loss_scale."""
-        if 0 in self.chunks and inputs is None or self.n_chunks - 1 in self.chunks and targets is None:
+        """Run this rank's actions once. inputs[j] (b, s) token ids of micro-batch j are needed
+        where chunk 0 lives, targets[j] where the last chunk lives. Returns (loss, timeline): loss =
+        sum over j of cross_entropy_j / m as a float on the rank of the last chunk and 0.0 elsewhere
+        (so a sum over the pipeline group gives it to all); timeline = [(action, start, end)] in
+        time.perf_counter seconds, start being when the action's inputs had arrived. The backward
+        runs on loss · loss_scale."""
+        if (
+            0 in self.chunks
+            and inputs is None
+            or self.n_chunks - 1 in self.chunks
+            and targets is None
+        ):
             raise ValueError(f"rank {self.rank} needs inputs (chunk 0) and/or targets (last chunk)")
         self._reset()
         self._loss, self._scale = torch.zeros((), device=self.device), float(loss_scale)
@@ -350,6 +393,8 @@ class PipelineExecutor:
                 self.after_compute(time.perf_counter() - start)
             timeline.append((a, start, time.perf_counter()))
         comm.wait(*(work for work, _ in self._sends))
-        assert not self._saved and not self._inbox and not self._outbox, "a message or activation was left over"
+        assert not self._saved and not self._inbox and not self._outbox, (
+            "a message or activation was left over"
+        )
         self._sends = []
         return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), timeline

@@ -1,25 +1,29 @@
 """Pipeline schedules as data: for each pipeline rank, the list of actions it runs, in order.
 
-A pipeline cuts the model into chunks (stages), one rank each, and a batch into m micro-batches, so that
-while rank 1 runs micro-batch 0, rank 0 can already run micro-batch 1. The order in which each rank
-runs its forwards (F) and backwards (B, or B = input gradient and W = weight gradient when the backward is
-split) is the schedule; it decides the idle time (the bubble) and how many micro-batches' activations
-a rank must keep (memory). Simplest first, p ranks, m micro-batches, T_F, T_B, T_W per micro-batch:
+A pipeline cuts the model into chunks (stages), one rank each, and a batch into m micro-batches, so
+that while rank 1 runs micro-batch 0, rank 0 can already run micro-batch 1. The order in which each
+rank runs its forwards (F) and backwards (B, or B = input gradient and W = weight gradient when the
+backward is split) is the schedule; it decides the idle time (the bubble) and how many
+micro-batches' activations a rank must keep (memory). Simplest first, p ranks, m micro-batches, T_F,
+T_B, T_W per micro-batch:
 
-    gpipe             all F, then all B (Huang et al. 2019). Bubble (p-1)/m of the ideal time, i.e. a
-                      fraction (p-1)/(m+p-1) of the step; every rank keeps m micro-batches' activations.
-    1f1b              PipeDream-Flush (Narayanan et al. 2021): rank r runs p-1-r forwards (warm-up), then
-                      alternates one F and one B, then drains its Bs (cool-down). Same bubble as GPipe,
-                      but rank r keeps at most p-r micro-batches: activation memory bounded by p, not m.
-    interleaved-1f1b  Megatron's interleaved schedule (Narayanan et al. 2021): each rank holds v chunks
-                      (chunk k on rank k % p), so a micro-batch goes round the ranks v times and the fill
-                      and drain are v times shorter: bubble (p-1)/(v·m) of the ideal time, for v times
-                      more point-to-point messages; memory grows by a factor 1 + (p-1)/(p·v) on rank 0.
-                      Needs m to be a multiple of p (as Megatron does).
-    zb-h1             Zero Bubble ZB-H1 (Qi et al. 2023): split the backward into B (needed by the previous
-                      rank) and W (needed by nobody but the optimizer); rank r defers up to r Ws and
-                      runs them in the cool-down, where 1F1B idles. Bubble per rank (p-1)(T_F+T_B-T_W)
-                      instead of 1F1B's (p-1)(T_F+T_B+T_W), with the same peak memory p·M_B.
+    gpipe             all F, then all B (Huang et al. 2019). Bubble (p-1)/m of the ideal time, i.e.
+                      a fraction (p-1)/(m+p-1) of the step; every rank keeps m micro-batches'
+                      activations.
+    1f1b              PipeDream-Flush (Narayanan et al. 2021): rank r runs p-1-r forwards (warm-up),
+                      then alternates one F and one B, then drains its Bs (cool-down). Same bubble
+                      as GPipe, but rank r keeps at most p-r micro-batches: activation memory
+                      bounded by p, not m.
+    interleaved-1f1b  Megatron's interleaved schedule (Narayanan et al. 2021): each rank holds v
+                      chunks (chunk k on rank k % p), so a micro-batch goes round the ranks v times
+                      and the fill and drain are v times shorter: bubble (p-1)/(v·m) of the ideal
+                      time, for v times more point-to-point messages; memory grows by a factor 1 +
+                      (p-1)/(p·v) on rank 0. Needs m to be a multiple of p (as Megatron does).
+    zb-h1             Zero Bubble ZB-H1 (Qi et al. 2023): split the backward into B (needed by the
+                      previous rank) and W (needed by nobody but the optimizer); rank r defers up to
+                      r Ws and runs them in the cool-down, where 1F1B idles. Bubble per rank
+                      (p-1)(T_F+T_B-T_W) instead of 1F1B's (p-1)(T_F+T_B+T_W), with the same peak
+                      memory p·M_B.
 
     Action("F", stage=3, microbatch=5): run the forward of model chunk 3 on micro-batch 5.
 
@@ -39,7 +43,8 @@ OPS = ("F", "B", "W")
 
 
 class Action(NamedTuple):
-    op: str          # "F" forward, "B" backward (input gradient; the whole backward if no W), "W" weight grad
+    op: str          # "F" forward, "B" backward (input gradient; the whole backward if no W), "W"
+                     #   weight grad
     stage: int       # global model chunk, 0 .. stages * virtual_stages - 1
     microbatch: int
 
@@ -48,7 +53,8 @@ class Action(NamedTuple):
 
 
 def rank_of(stage: int, stages: int) -> int:
-    """The pipeline rank that holds global chunk `stage` (Megatron's placement: chunk k on rank k % p).
+    """The pipeline rank that holds global chunk `stage` (Megatron's placement: chunk k on rank k %
+    p).
 
         v = 2, p = 4:   rank 0: chunks 0, 4    rank 1: 1, 5    rank 2: 2, 6    rank 3: 3, 7
     """
@@ -64,7 +70,8 @@ def inputs(action: Action, chunks: int) -> list[Action]:
     """The actions whose results `action` needs: the data edges of the schedule.
 
     F of chunk c needs F of chunk c-1 (its input activation); B of c needs F of c (its saved
-    activations) and B of c+1 (the gradient of its output), unless c is the last chunk; W needs its B.
+    activations) and B of c+1 (the gradient of its output), unless c is the last chunk; W needs its
+    B.
     """
     op, c, mb = action
     if op == "F":
@@ -78,29 +85,36 @@ def validate(name: str, stages: int, microbatches: int, virtual_stages: int = 1)
     """Raise ValueError naming the field and the rule if this schedule cannot be built."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {name!r}")
-    for field, value in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+    for field, value in (("stages", stages), ("microbatches", microbatches),
+                         ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{field} must be a positive integer, got {value!r}")
     if virtual_stages > 1 and name != "interleaved-1f1b":
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule 'interleaved-1f1b', got {name!r}")
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule 'interleaved-1f1b', got "
+                         f"{name!r}")
     if name == "interleaved-1f1b" and microbatches % stages:
-        raise ValueError(f"interleaved-1f1b needs microbatches ({microbatches}) to be a multiple of stages "
-                         f"({stages}): micro-batches go round the ranks in groups of p (Megatron's rule)")
+        raise ValueError(f"interleaved-1f1b needs microbatches ({microbatches}) to be a multiple "
+                         "of stages "
+                         f"({stages}): micro-batches go round the ranks in groups of p (Megatron's "
+                         "rule)")
 
 
 # ----------------------------------------------------------------------------- the schedules
 
 
 def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
-    """All forwards, then all backwards: rank r keeps every micro-batch's activations until its B."""
-    return [[Action("F", r, i) for i in range(microbatches)] + [Action("B", r, i) for i in range(microbatches)]
+    """All forwards, then all backwards: rank r keeps every micro-batch's activations until its
+    B."""
+    return [[Action("F", r, i) for i in range(microbatches)] + [Action("B", r, i)
+                                                                for i in range(microbatches)]
             for r in range(stages)]
 
 
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     """PipeDream-Flush. Rank r's first B can only start once micro-batch 0 has gone down to the last
-    rank and back, so it fills that wait with p-1-r forwards; from then on each F is paired with a B,
-    which keeps at most p-r micro-batches alive. Works for m < p too (the warm-up is then all of m)."""
+    rank and back, so it fills that wait with p-1-r forwards; from then on each F is paired with a
+    B, which keeps at most p-r micro-batches alive. Works for m < p too (the warm-up is then all of
+    m)."""
     plan = []
     for r in range(stages):
         warmup = min(stages - 1 - r, microbatches)
@@ -113,15 +127,17 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
 
 
 def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
-    """Megatron's interleaved 1F1B. Each rank walks its m·v (chunk, micro-batch) units in groups of p
-    micro-batches: p forwards of its first chunk, then p of its second, ... then the next p
-    micro-batches; backwards in the same groups, chunks in reverse. The warm-up is (p-1-r)·2 + (v-1)·p
+    """Megatron's interleaved 1F1B. Each rank walks its m·v (chunk, micro-batch) units in groups of
+    p micro-batches: p forwards of its first chunk, then p of its second, ... then the next p
+    micro-batches; backwards in the same groups, chunks in reverse. The warm-up is (p-1-r)·2 +
+    (v-1)·p
     forwards: enough for micro-batch 0 to reach the last chunk and its gradient to come back."""
     p, m, v = stages, microbatches, virtual_stages
     if v == 1:
         return one_f_one_b(p, m)
 
-    def unit(k: int, forward: bool) -> tuple[int, int]:  # k-th forward (or backward) unit -> (chunk, mb)
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # k-th forward (or backward) unit ->
+                                                         #   (chunk, mb)
         group, within = divmod(k, p * v)
         local = (k // p) % v
         return (local if forward else v - 1 - local), group * p + within % p
@@ -155,10 +171,12 @@ def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
     return plan
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zb-h1": zb_h1}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
+             "zb-h1": zb_h1}
 
 
-def schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+def schedule(name: str, stages: int, microbatches: int,
+             virtual_stages: int = 1) -> list[list[Action]]:
     """The actions of each pipeline rank, in execution order: `schedule("1f1b", 4, 8)[rank]`."""
     validate(name, stages, microbatches, virtual_stages)
     if name == "interleaved-1f1b":
@@ -173,15 +191,18 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: i
     return tuple(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
 
 
-# ----------------------------------------------------------------------------- checking any action list
+# ----------------------------------------------------------------------------- checking any action
+# list
 
 
-def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, duration=None, latency=0.0):
-    """Run the ranks' lists in dependency order: each rank runs its next action as soon as its inputs
-    are done (plus `latency` if they come from another rank). duration(rank, action) -> time, 0 if None.
+def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, duration=None,
+           latency=0.0):
+    """Run the ranks' lists in dependency order: each rank runs its next action as soon as its
+    inputs are done (plus `latency` if they come from another rank). duration(rank, action) -> time,
+    0 if None.
 
-    Returns ({action: (rank, start, end)}, stuck), stuck being [(rank, action, missing input)] for the
-    ranks that could not finish: a deadlock, i.e. a cycle of same-rank order and data edges.
+    Returns ({action: (rank, start, end)}, stuck), stuck being [(rank, action, missing input)] for
+    the ranks that could not finish: a deadlock, i.e. a cycle of same-rank order and data edges.
     """
     chunks = stages * virtual_stages
     done, clock, nxt = {}, [0.0] * len(actions), [0] * len(actions)
@@ -194,7 +215,8 @@ def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, du
                 needs = inputs(a, chunks)
                 if any(d not in done for d in needs):
                     break
-                start = max([clock[r]] + [done[d][2] + (latency if done[d][0] != r else 0.0) for d in needs])
+                start = max([clock[r]] + [done[d][2] + (latency if done[d][0] != r else 0.0)
+                                          for d in needs])
                 clock[r] = start + (duration(r, a) if duration else 0.0)
                 done[a] = (r, start, clock[r])
                 nxt[r] += 1
@@ -204,33 +226,44 @@ def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, du
     return done, stuck
 
 
-def check(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1) -> None:
-    """Raise ValueError naming the first rule that `actions` break (which rank, which action), else None.
+def check(actions: list[list[Action]], stages: int, microbatches: int,
+          virtual_stages: int = 1) -> None:
+    """Raise ValueError naming the first rule that `actions` break (which rank, which action), else
+    None.
 
-    Rules: one list per rank; each action is a valid F/B/W of an existing chunk and micro-batch, on the
-    rank that holds the chunk, at most once; an action comes after the inputs it has on its own rank
-    (B after its F, W after its B); every F and B appears; W for every (chunk, micro-batch) or for
-    none; and the ranks do not deadlock waiting for each other's results.
+    Rules: one list per rank; each action is a valid F/B/W of an existing chunk and micro-batch, on
+    the rank that holds the chunk, at most once; an action comes after the inputs it has on its own
+    rank (B after its F, W after its B); every F and B appears; W for every (chunk, micro-batch) or
+    for none; and the ranks do not deadlock waiting for each other's results.
     """
     chunks = stages * virtual_stages
     if len(actions) != stages:
-        raise ValueError(f"expected one action list per pipeline rank ({stages}), got {len(actions)}")
+        raise ValueError(f"expected one action list per pipeline rank ({stages}), got "
+                         f"{len(actions)}")
     seen = set()
     for r, ops in enumerate(actions):
         for i, a in enumerate(ops):
             where = f"rank {r}, action {i} ({a!r})"
-            if len(a) != 3 or a[0] not in OPS or not 0 <= a[1] < chunks or not 0 <= a[2] < microbatches:
+            if (
+                len(a) != 3
+                or a[0] not in OPS
+                or not 0 <= a[1] < chunks
+                or not 0 <= a[2] < microbatches
+            ):
                 raise ValueError(f"{where}: not a valid action (op in {OPS}, chunk < {chunks}, "
                                  f"micro-batch < {microbatches})")
             a = Action(*a)
             if rank_of(a.stage, stages) != r:
-                raise ValueError(f"{where}: chunk {a.stage} lives on rank {rank_of(a.stage, stages)} "
+                raise ValueError(f"{where}: chunk {a.stage} lives on rank "
+                                 f"{rank_of(a.stage, stages)} "
                                  f"(chunk k on rank k % {stages}), not on rank {r}")
             if a in seen:
-                raise ValueError(f"{where}: duplicate, {a} already ran (each action runs exactly once)")
+                raise ValueError(f"{where}: duplicate, {a} already ran (each action runs exactly "
+                                 "once)")
             for d in inputs(a, chunks):
                 if rank_of(d.stage, stages) == r and d not in seen:
-                    raise ValueError(f"{where}: {a} needs {d}, which must come earlier on the same rank")
+                    raise ValueError(f"{where}: {a} needs {d}, which must come earlier on the same "
+                                     "rank")
             seen.add(a)
     has_w = any(a.op == "W" for a in seen)
     for c in range(chunks):
@@ -239,8 +272,10 @@ def check(actions: list[list[Action]], stages: int, microbatches: int, virtual_s
                 if Action(op, c, mb) not in seen:
                     rule = "W for every (chunk, micro-batch) or for none" if op == "W" else \
                         "every F and B of every chunk and micro-batch must appear"
-                    raise ValueError(f"rank {rank_of(c, stages)}: missing {Action(op, c, mb)!r} ({rule})")
+                    raise ValueError(f"rank {rank_of(c, stages)}: missing {Action(op, c, mb)!r} "
+                                     f"({rule})")
     _, stuck = replay(actions, stages, virtual_stages)
     if stuck:
-        waits = "; ".join(f"rank {r} at {a} waits for {d} (rank {rank_of(d.stage, stages)})" for r, a, d in stuck)
+        waits = "; ".join(f"rank {r} at {a} waits for {d} (rank {rank_of(d.stage, stages)})" for r,
+                          a, d in stuck)
         raise ValueError(f"deadlock: {waits}")

@@ -1,14 +1,16 @@
-"""A schedule plus per-op costs gives a timeline: when each action runs, the bubble, the memory held.
+"""A schedule plus per-op costs gives a timeline: when each action runs, the bubble, the memory
+held.
 
 The simulator follows the runtime's rule (see `schedules.replay`): each rank runs its actions in
-order, an action starts when its rank is free and its inputs are done, and an input from another rank
-arrives `latency` later (the point-to-point send). Nothing else is modelled: no bandwidth, no overlap.
+order, an action starts when its rank is free and its inputs are done, and an input from another
+rank arrives `latency` later (the point-to-point send). Nothing else is modelled: no bandwidth, no
+overlap.
 
     bubble          = total idle time / (ranks · makespan): the fraction of the step the ranks wait;
                       idle counts from the first start of any rank to the last end of any rank.
     in flight       = on one rank, the (chunk, micro-batch) pairs whose F has run and whose backward
-                      (B, and W if the schedule splits it) has not finished: the activations it holds.
-                      With v chunks per rank, each pair holds 1/v of the rank's layers.
+                      (B, and W if the schedule splits it) has not finished: the activations it
+                      holds. With v chunks per rank, each pair holds 1/v of the rank's layers.
 
 Published figures the tests check, for F = B = 1 per micro-batch and rank (no W):
     gpipe, 1f1b       bubble (p-1)/(m+p-1)          (bubble time / ideal time = (p-1)/m)
@@ -33,8 +35,9 @@ class Timeline:
 
     @classmethod
     def from_events(cls, events) -> "Timeline":
-        """From any per-rank lists of (action, start, end), e.g. measured perf_counter times: actions may be
-        plain (op, stage, microbatch) tuples; times are shifted so that the first start is 0."""
+        """From any per-rank lists of (action, start, end), e.g. measured perf_counter times:
+        actions may be plain (op, stage, microbatch) tuples; times are shifted so that the first
+        start is 0."""
         t0 = min((s for rank in events for _, s, _ in rank), default=0.0)
         return cls([sorted(((Action(*a), s - t0, e - t0) for a, s, e in rank), key=lambda x: x[1])
                     for rank in events])
@@ -64,7 +67,8 @@ class Timeline:
     @property
     def peak_in_flight(self) -> list[int]:
         """Per rank, the most (chunk, micro-batch) pairs alive at once: F run, backward not finished
-        (its last op: W if the schedule has Ws, else B). Order of the events, so ties do not matter."""
+        (its last op: W if the schedule has Ws, else B). Order of the events, so ties do not
+        matter."""
         split = any(a.op == "W" for rank in self.events for a, _, _ in rank)
         last = "W" if split else "B"
         peaks = []
@@ -77,12 +81,14 @@ class Timeline:
         return peaks
 
     def __repr__(self):
-        return (f"Timeline(ranks={self.ranks}, makespan={self.makespan:.4g}, bubble={self.bubble:.3f}, "
+        return (f"Timeline(ranks={self.ranks}, makespan={self.makespan:.4g}, "
+                f"bubble={self.bubble:.3f}, "
                 f"peak_in_flight={self.peak_in_flight})")
 
 
 def _cost_fn(cost, chunks: int, split: bool):
-    """cost {"F": t, "B": t, "W": t}, each a number or a list per chunk -> duration(rank, action)."""
+    """cost {"F": t, "B": t, "W": t}, each a number or a list per chunk -> duration(rank,
+    action)."""
     for op in cost:
         if op not in ("F", "B", "W"):
             raise ValueError(f"cost keys must be 'F', 'B', 'W', got {op!r}")
@@ -91,7 +97,9 @@ def _cost_fn(cost, chunks: int, split: bool):
         t = cost.get(op, 0.0)
         t = list(t) if isinstance(t, (list, tuple)) else [t] * chunks
         if len(t) != chunks:
-            raise ValueError(f"cost[{op!r}] has {len(t)} entries, expected one per chunk ({chunks})")
+            raise ValueError(
+                f"cost[{op!r}] has {len(t)} entries, expected one per chunk ({chunks})"
+            )
         table[op] = t
     if not split:  # B is the whole backward: input gradient and weight gradient together
         table["B"] = [b + w for b, w in zip(table["B"], table["W"])]
@@ -100,13 +108,14 @@ def _cost_fn(cost, chunks: int, split: bool):
 
 def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1,
              cost=None, latency: float = 0.0) -> Timeline:
-    """The timeline of `actions` (checked first) when each op takes cost[op] and each message `latency`.
+    """The timeline of `actions` (checked first) when each op takes cost[op] and each message
+    `latency`.
 
     cost: {"F": t_F, "B": t_B, "W": t_W} (default 1, 1, 1), each a number or one number per global
     chunk. Per action, i.e. per (chunk, micro-batch): with v chunks per rank, pass a rank's per
-    micro-batch cost divided by v to compare schedules at equal model size. "B" is the input gradient
-    and "W" the weight gradient; a schedule with no W actions runs the whole backward in its B, which
-    then costs t_B + t_W (a missing key counts 0).
+    micro-batch cost divided by v to compare schedules at equal model size. "B" is the input
+    gradient and "W" the weight gradient; a schedule with no W actions runs the whole backward in
+    its B, which then costs t_B + t_W (a missing key counts 0).
     """
     check(actions, stages, microbatches, virtual_stages)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0} if cost is None else cost
@@ -117,16 +126,20 @@ def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtua
 
 
 def to_chrome_trace(timeline: Timeline, path=None) -> dict:
-    """Chrome trace-event JSON of a timeline (open it in https://ui.perfetto.dev or chrome://tracing).
+    """Chrome trace-event JSON of a timeline (open it in https://ui.perfetto.dev or
+    chrome://tracing).
 
     One complete ("X") event per action, named like "F3" (op and micro-batch), on thread `rank` of
-    process 0, times in microseconds (a timeline's times are taken as seconds). Written to `path` if given.
+    process 0, times in microseconds (a timeline's times are taken as seconds). Written to `path` if
+    given.
     """
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipeline"}}]
     for r, rank in enumerate(timeline.events):
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r,
+                       "args": {"name": f"pp rank {r}"}})
         for a, s, e in rank:
-            events.append({"ph": "X", "name": f"{a.op}{a.microbatch}", "cat": a.op, "pid": 0, "tid": r,
+            events.append({"ph": "X", "name": f"{a.op}{a.microbatch}", "cat": a.op, "pid": 0,
+                           "tid": r,
                            "ts": s * 1e6, "dur": (e - s) * 1e6,
                            "args": {"op": a.op, "stage": a.stage, "microbatch": a.microbatch}})
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}

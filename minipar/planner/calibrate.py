@@ -1,29 +1,33 @@
-"""This machine as a Cluster: what its CPU cores and gloo give `world` local ranks, measured in seconds.
+"""This machine as a Cluster: what its CPU cores and gloo give `world` local ranks, measured in
+seconds.
 
-gpu_time.py models GPUs: kernels queued ahead of the host, collectives on links of their own, overlapped
-with compute. minipar's small models on a few CPU cores live elsewhere: a layer is mostly Python and
-dispatch, ranks time-share the cores once there are more ranks than cores, and a collective waits for its
-peers to be woken and scheduled. So, as planners that profile before they plan do (Galvatron, Alpa), we
-time the pieces a step is made of on this machine: the machine here, the model's own layer in
-layer_profile.py, and cpu_time.py adds them up.
+gpu_time.py models GPUs: kernels queued ahead of the host, collectives on links of their own,
+overlapped with compute. minipar's small models on a few CPU cores live elsewhere: a layer is mostly
+Python and dispatch, ranks time-share the cores once there are more ranks than cores, and a
+collective waits for its peers to be woken and scheduled. So, as planners that profile before they
+plan do (Galvatron, Alpa), we time the pieces a step is made of on this machine: the machine here,
+the model's own layer in layer_profile.py, and cpu_time.py adds them up.
 
-`measure(world)`: one minipar.launch of `world` ranks, each with the intra-op threads launch gives it
-(max(1, cores // world): `threads`; `cores`: those this process may run on). Rank 0 alone, first:
-  matmul      FLOP/s of a 512^3 fp32 matmul, fastest of 7: the rate of one rank (the Cluster's peak_flops,
-              the MFU denominator; step times come from the profile, not from it)
+`measure(world)`: one minipar.launch of `world` ranks, each with the intra-op threads launch gives
+it (max(1, cores // world): `threads`; `cores`: those this process may run on). Rank 0 alone, first:
+  matmul      FLOP/s of a 512^3 fp32 matmul, fastest of 7: the rate of one rank (the Cluster's
+              peak_flops, the MFU denominator; step times come from the profile, not from it)
   copy_rate   bytes/s of a 32 MiB copy, fastest of 7 (ZeRO's flat buffers)
 Then the probes, every rank at once (`link_rank`; `run_layouts` repeats them before each layout, and
 `with_links` takes the median of each figure over all the probes of a run):
-  share       a rank's speed with every rank busy over its speed alone: a micro-step of the tiny GPT (b 2),
-              the median of 9 on rank 0 alone over the mean of a ~0.3 s window with every rank looping.
-              Time-sharing alone gives min(1, slots / world), slots = cores // threads; `sharing` is what
-              is left of that (below 1 when a virtual machine's cores are slower with both busy)
-  links       per group size g (2, 4, 8 dividing world; every rank in a group of g at once), each cycle
-              timed as the mean over a ~0.15 s window:
-                meet       what ranks pay to meet in a collective when they come from compute (a woken
-                           process, a peer not yet there): (~0.3 ms of matmuls + comm.all_reduce of 1 KiB)
+  share       a rank's speed with every rank busy over its speed alone: a micro-step of the tiny GPT
+              (b 2), the median of 9 on rank 0 alone over the mean of a ~0.3 s window with every
+              rank looping. Time-sharing alone gives min(1, slots / world), slots = cores //
+              threads; `sharing` is what is left of that (below 1 when a virtual machine's cores are
+              slower with both busy)
+  links       per group size g (2, 4, 8 dividing world; every rank in a group of g at once), each
+              cycle timed as the mean over a ~0.15 s window:
+                meet       what ranks pay to meet in a collective when they come from compute (a
+                           woken process, a peer not yet there): (~0.3 ms of matmuls +
+                           comm.all_reduce of 1 KiB)
                            - (the matmuls alone) - (the all-reduce back to back)
-                step       seconds a ring step of back-to-back 1 KiB all-reduces: their time / 2 (g-1)
+                step       seconds a ring step of back-to-back 1 KiB all-reduces: their time / 2
+                           (g-1)
                 bandwidth  2 (g-1) / g MiB over the time a 1 MiB all-reduce adds to a 1 KiB one
 `this_machine(world)` is this machine as a Cluster (`cluster_of`); it reads the calibration from a
 JSON file under the temporary directory, keyed by host, cores, torch version and world, or measures
@@ -53,7 +57,8 @@ from minipar.train import train_layouts
 
 @dataclass(frozen=True)
 class CPU:
-    """What `world` local ranks get from this machine (module docstring). Frozen: a Cluster field."""
+    """What `world` local ranks get from this machine (module docstring). Frozen: a Cluster
+    field."""
     world: int
     cores: int            # the cores this process may run on
     threads: int          # intra-op threads per rank (launch: max(1, cores // world))
@@ -63,7 +68,8 @@ class CPU:
     links: tuple = ()     # (group size, meet s, s a ring step, bytes/s), per group size measured
 
     def link(self, n: int) -> tuple[float, float, float]:
-        """(s to meet after compute, s a ring step, bandwidth) among n ranks: the nearest group size measured."""
+        """(s to meet after compute, s a ring step, bandwidth) among n ranks: the nearest group size
+        measured."""
         if not self.links:
             return 0.0, 0.0, float("inf")
         return min(self.links, key=lambda x: (abs(x[0] - n), x[0]))[1:]
@@ -75,9 +81,10 @@ class CPU:
 
     @property
     def sharing(self) -> float:
-        """How much of its cores' time-sharing the ranks get: `share` over min(1, slots / world), at most 1.
-        1 on a quiet machine (2 processes of matmuls on 2 cores each run at full speed, 4 at half); below
-        when the cores are slower with every rank busy (a virtual machine's cores shared on its host)."""
+        """How much of its cores' time-sharing the ranks get: `share` over min(1, slots / world), at
+        most 1. 1 on a quiet machine (2 processes of matmuls on 2 cores each run at full speed, 4 at
+        half); below when the cores are slower with every rank busy (a virtual machine's cores
+        shared on its host)."""
         return min(1.0, self.share / min(1.0, self.slots / self.world))
 
 
@@ -85,7 +92,8 @@ class CPU:
 
 
 def _times(fn, reps: int, warmup: int = 2, budget: float = 2.0) -> list[float]:
-    """Seconds of `reps` runs of fn after `warmup` (fewer if they pass `budget` seconds, at least 3)."""
+    """Seconds of `reps` runs of fn after `warmup` (fewer if they pass `budget` seconds, at least
+    3)."""
     for _ in range(warmup):
         fn()
     times, end = [], time.perf_counter() + budget
@@ -106,7 +114,8 @@ def _fastest(fn, reps: int) -> float:
 
 
 def machine_rank(reps: int = 7) -> dict:
-    """Rank 0's part of `measure`, the other ranks waiting (module docstring); {"world", "threads"} elsewhere."""
+    """Rank 0's part of `measure`, the other ranks waiting (module docstring); {"world", "threads"}
+    elsewhere."""
     out = {"world": dist.get_world_size(), "threads": torch.get_num_threads()}
     if dist.get_rank() == 0:
         a, b = torch.randn(512, 512), torch.randn(512, 512)
@@ -128,9 +137,10 @@ def probe_groups() -> dict:
 
 
 def _cycle(work, collective=None, seconds: float = 0.3) -> float:
-    """Mean seconds of `work` then `collective()` (either may be None) on this rank, over a window of about
-    `seconds` with every rank doing the same: long beside the scheduler's time slices, so that time-sharing
-    is averaged in. Rank 0 decides every 20 rounds whether to go on, so that the ranks run as many rounds."""
+    """Mean seconds of `work` then `collective()` (either may be None) on this rank, over a window
+    of about `seconds` with every rank doing the same: long beside the scheduler's time slices, so
+    that time-sharing is averaged in. Rank 0 decides every 20 rounds whether to go on, so that the
+    ranks run as many rounds."""
     n, go = 0, torch.ones(1)
     dist.barrier()
     start = time.perf_counter()
@@ -147,9 +157,10 @@ def _cycle(work, collective=None, seconds: float = 0.3) -> float:
 
 
 def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
-    """The probes on every rank (module docstring): {"alone", "together": seconds of a micro-step of the tiny
-    GPT, rank 0 alone and every rank at once; g: (all-reduce of 1 KiB after ~0.3 ms of matmuls, ~0.3 ms of
-    matmuls alone, all-reduce of 1 KiB back to back, of 1 MiB back to back) per group size g}.
+    """The probes on every rank (module docstring): {"alone", "together": seconds of a micro-step of
+    the tiny GPT, rank 0 alone and every rank at once; g: (all-reduce of 1 KiB after ~0.3 ms of
+    matmuls, ~0.3 ms of matmuls alone, all-reduce of 1 KiB back to back, of 1 MiB back to back) per
+    group size g}.
     groups: `probe_groups()`, made once by a worker that probes several times (here if None)."""
     groups = probe_groups() if groups is None else groups
     step = micro_step(GPTConfig.preset("tiny"), 2, 1, False, "none", "fp32", "plain")
@@ -158,7 +169,8 @@ def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
     out = {"alone": statistics.median(_times(step, 9)) if dist.get_rank() == 0 else 0.0}
     out["together"] = _cycle(step, None, 2 * seconds)
     a, w = torch.randn(128, 64), torch.randn(64, 256)
-    count = torch.tensor([max(1, round(3e-4 / _fastest(lambda: a @ w, 9)))])  # ~0.3 ms of matmuls, rank 0's
+    # ~0.3 ms of matmuls, rank 0's
+    count = torch.tensor([max(1, round(3e-4 / _fastest(lambda: a @ w, 9)))])
     dist.broadcast(count, 0)
 
     def work():
@@ -167,7 +179,8 @@ def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
 
     small, big = torch.zeros(256), torch.zeros(2 ** 18)
     for g, group in groups.items():
-        out[g] = (_cycle(work, lambda: comm.all_reduce(small, group), seconds), _cycle(work, None, seconds),
+        out[g] = (_cycle(work, lambda: comm.all_reduce(small, group), seconds),
+                  _cycle(work, None, seconds),
                   _cycle(None, lambda: comm.all_reduce(small, group), seconds / 2),
                   _cycle(None, lambda: comm.all_reduce(big, group), seconds / 2))
     return out
@@ -179,23 +192,28 @@ def calibrate_rank(reps: int = 7) -> dict:
 
 
 def with_links(cpu: CPU | None, probes: list[dict], machine: dict | None = None) -> CPU:
-    """`cpu` with the links that `probes` give (`link_rank` results, of every rank and of one or more rounds),
-    each figure the median over them; a new CPU from rank 0's `machine_rank` result if cpu is None."""
+    """`cpu` with the links that `probes` give (`link_rank` results, of every rank and of one or
+    more rounds), each figure the median over them; a new CPU from rank 0's `machine_rank` result if
+    cpu is None."""
     links = []
     for g in (g for g in probes[0] if isinstance(g, int)):
         after, work, tight, big = (statistics.median(p[g][i] for p in probes) for i in range(4))
         steps = 2 * (g - 1)
-        links.append((g, max(after - work - tight, 0.0), tight / steps, steps * 2 ** 20 / g / max(big - tight, 1e-9)))
+        links.append((g, max(after - work - tight, 0.0), tight / steps,
+                      steps * 2 ** 20 / g / max(big - tight, 1e-9)))
     alone = statistics.median(p["alone"] for p in probes if p["alone"])
-    load = dict(links=tuple(links), share=min(1.0, alone / statistics.median(p["together"] for p in probes)))
+    load = dict(links=tuple(links),
+                share=min(1.0, alone / statistics.median(p["together"] for p in probes)))
     if cpu is not None:
         return dataclasses.replace(cpu, **load)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os,
+                                                    "sched_getaffinity") else os.cpu_count() or 1
     return CPU(cores=cores, **load, **machine)
 
 
 def measure(world: int, reps: int = 7, timeout: float = 120.0) -> CPU:
-    """Measure this machine for `world` local ranks (module docstring): one launch, a few seconds."""
+    """Measure this machine for `world` local ranks (module docstring): one launch, a few
+    seconds."""
     ranks = launch(calibrate_rank, world, reps, backend="gloo", timeout=timeout)
     return with_links(None, [r["links"] for r in ranks], ranks[0]["machine"])
 
@@ -239,29 +257,35 @@ def this_machine(world: int = 1, refresh: bool = False) -> Cluster:
 
 
 def cluster_of(cpu: CPU) -> Cluster:
-    """A Cluster of cpu.world local ranks from a CPU calibration: per rank the memory available now divided
-    by world, the measured matmul rate of one rank as its peak (the MFU denominator), the measured gloo
-    link of two ranks. Step times come from cpu_time.py, not these."""
+    """A Cluster of cpu.world local ranks from a CPU calibration: per rank the memory available now
+    divided by world, the measured matmul rate of one rank as its peak (the MFU denominator), the
+    measured gloo link of two ranks. Step times come from cpu_time.py, not these."""
     try:
         with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+            free = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable"))
     except (OSError, StopIteration):
         free = 4 * GiB
     _, latency, bandwidth = cpu.link(2)
     link = dict(intra_bandwidth=min(bandwidth, 1e12), intra_latency=latency,
                 inter_bandwidth=min(bandwidth, 1e12), inter_latency=latency)
-    return Cluster(gpus_per_node=cpu.world, nodes=1, memory_per_gpu=free / cpu.world, peak_flops=cpu.matmul,
-                   efficiency=1.0, memory_bandwidth=cpu.copy_rate, name=f"this-cpu-x{cpu.world}", cpu=cpu, **link)
+    return Cluster(gpus_per_node=cpu.world, nodes=1, memory_per_gpu=free / cpu.world,
+                   peak_flops=cpu.matmul,
+                   efficiency=1.0, memory_bandwidth=cpu.copy_rate, name=f"this-cpu-x{cpu.world}",
+                   cpu=cpu, **link)
 
 
-# ----------------------------------------------------------------------------- many layouts, one launch
+# ----------------------------------------------------------------------------- many layouts, one
+# launch
 
 
 def _system_busy() -> float:
-    """Seconds of CPU time every program on this machine has used so far (Linux /proc/stat; 0 elsewhere)."""
+    """Seconds of CPU time every program on this machine has used so far (Linux /proc/stat; 0
+    elsewhere)."""
     try:
         with open("/proc/stat") as f:
-            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int,
+                                                                        f.readline().split()[1:9])
         return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         return 0.0
@@ -283,7 +307,8 @@ def run_layouts(jobs: list, steps: int, calibrate: bool = False) -> dict:
         wall, cpu, busy = time.perf_counter(), time.process_time(), _system_busy()
         r = train()
         ours = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
-        dist.all_reduce(ours)  # every rank's CPU seconds, all threads: what is not ours is other programs'
+        dist.all_reduce(ours)  # every rank's CPU seconds, all threads: what is not ours is other
+                               #   programs'
         wall, others = time.perf_counter() - wall, _system_busy() - busy - ours.item()
         out["layouts"].append({"step_times": r.step_times, "memory": r.memory, "calls": r.calls,
                                "links": links,

@@ -1,36 +1,43 @@
-"""A layout's step time on this machine's CPU cores: gpu_time.py's model, changed where a CPU is different.
+"""A layout's step time on this machine's CPU cores: gpu_time.py's model, changed where a CPU is
+different.
 
 `planner.estimate` comes here when its Cluster carries a CPU calibration (`planner.this_machine`,
-calibrate.py); the memory is the same either way (memory.predict's exact count). What changes, and why:
+calibrate.py); the memory is the same either way (memory.predict's exact count). What changes, and
+why:
   compute       the model's own layer, ends, per-action overhead and optimizer step, as
-                `layer_profile.profile` times them (Python and dispatch are most of a small model's time:
-                FLOPs over a peak would miss it several times)
-  no overlap    collectives run on the cores that compute, so every TP, PP and DP message is paid in full
-                (gpu_time.py hides DP buckets under the backward; a small model's gradients fill one bucket,
-                sent after the backward anyway)
-  time-sharing  `world` ranks of `threads` threads on `cores` cores: while k ranks compute at once, each
-                runs at speed(k) = min(1, sharing * slots / k), slots = cores // threads (calibrate.CPU).
-                DP and TP ranks compute in lockstep; a pipeline's ranks do not (its warm-up and cool-down
-                run fewer ranks at once), so its schedule is replayed with the speeds shared (`replay_shared`)
-  meeting       a collective entered from compute first pays `meet` (a woken process, a late peer), then
-                its ring steps; one that follows another back to back pays the steps only
+                `layer_profile.profile` times them (Python and dispatch are most of a small model's
+                time: FLOPs over a peak would miss it several times)
+  no overlap    collectives run on the cores that compute, so every TP, PP and DP message is paid in
+                full (gpu_time.py hides DP buckets under the backward; a small model's gradients
+                fill one bucket, sent after the backward anyway)
+  time-sharing  `world` ranks of `threads` threads on `cores` cores: while k ranks compute at once,
+                each runs at speed(k) = min(1, sharing * slots / k), slots = cores // threads
+                (calibrate.CPU). DP and TP ranks compute in lockstep; a pipeline's ranks do not (its
+                warm-up and cool-down run fewer ranks at once), so its schedule is replayed with the
+                speeds shared (`replay_shared`)
+  meeting       a collective entered from compute first pays `meet` (a woken process, a late peer),
+                then its ring steps; one that follows another back to back pays the steps only
 
-Per micro-batch, on a rank holding n layers of a chunk, t = tp, X = b s h e bytes (e = 4 fp32, 2 bf16):
+Per micro-batch, on a rank holding n layers of a chunk, t = tp, X = b s h e bytes (e = 4 fp32, 2
+bf16):
   F work  n layer_fwd + [first chunk] emb_fwd + [last] head_fwd + action_fwd; B, W likewise
-  TP      no SP: per layer 2 all-reduces of X in F and 2 in B (+1 in B with full recompute: the recomputed
-          forward stops after the attention's); 1 in F after the embedding; 1 in B before the head; the
-          loss 2 all-reduces and 1 all-gather of 4 b s bytes in F. With SP each all-reduce becomes an
-          all-gather + a reduce-scatter, backward gathers every column-parallel input again (2 a layer, 1
-          for the head; full recompute +2 gathers and +1 scatter a layer), and once a step one all-reduce
-          of the shard-used gradients (`tp_collectives`; `collective_calls` counts them for the tests).
-          Ring: meet + steps (step + X / (t bandwidth)), steps 2(t-1) for an all-reduce, t-1 otherwise
+  TP      no SP: per layer 2 all-reduces of X in F and 2 in B (+1 in B with full recompute: the
+          recomputed forward stops after the attention's); 1 in F after the embedding; 1 in B before
+          the head; the loss 2 all-reduces and 1 all-gather of 4 b s bytes in F. With SP each
+          all-reduce becomes an all-gather + a reduce-scatter, backward gathers every
+          column-parallel input again (2 a layer, 1 for the head; full recompute +2 gathers and +1
+          scatter a layer), and once a step one all-reduce of the shard-used gradients
+          (`tp_collectives`; `collective_calls` counts them for the tests).
+          Ring: meet + steps (step + X / (t bandwidth)), steps 2(t-1) for an all-reduce, t-1
+          otherwise
   PP      per chunk boundary, per micro-batch, each way: meet + step + X / bandwidth (X / t with SP)
 Per step, after the pipeline, all ranks at once:
-  DP      ZeRO-0 all-reduce of 4 Psi bytes: fp32 gradients in bucket_mb buckets (one a tensor if dp_mode is
-          "naive"), mixed precision's fp32 master gradients one tensor at a time (parallelize.py); ZeRO-1/2
-          a reduce-scatter of g Psi and an all-gather of p Psi bytes; ZeRO-3 per micro-batch and unit
-          2 all-gathers and 1 reduce-scatter
-  optimizer  the profile's step on the rank's layers and ends; with ZeRO 1/dp of it + the flat copies
+  DP      ZeRO-0 all-reduce of 4 Psi bytes: fp32 gradients in bucket_mb buckets (one a tensor if
+          dp_mode is "naive"), mixed precision's fp32 master gradients one tensor at a time
+          (parallelize.py); ZeRO-1/2 a reduce-scatter of g Psi and an all-gather of p Psi bytes;
+          ZeRO-3 per micro-batch and unit 2 all-gathers and 1 reduce-scatter
+  optimizer  the profile's step on the rank's layers and ends; with ZeRO 1/dp of it + the flat
+             copies
           (g + p) Psi / copy_rate; all / speed(world)
   loss    summed over the dp and the pp groups: an all-reduce of 8 bytes each
 """
@@ -42,13 +49,14 @@ from minipar import memory, pipeline
 from minipar.pipeline.schedules import inputs
 from minipar.planner.layer_profile import profile
 
-TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2), ln2 (2), fc (2), mlp.proj (2)
+TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2), ln2 (2), fc (2),
+                        #   mlp.proj (2)
 
 
 def ring(kind: str, nbytes: float, n: int, cpu, meet: bool = True) -> float:
-    """Seconds of minipar's ring collective `kind` ("all_reduce", "all_gather", "reduce_scatter") whose
-    full tensor is `nbytes`, over n ranks; meet: the ranks arrive from compute (pay the wait to meet),
-    else the collective follows another one back to back."""
+    """Seconds of minipar's ring collective `kind` ("all_reduce", "all_gather", "reduce_scatter")
+    whose full tensor is `nbytes`, over n ranks; meet: the ranks arrive from compute (pay the wait
+    to meet), else the collective follows another one back to back."""
     if n == 1:
         return 0.0
     steps, (sync, latency, bandwidth) = (2 if kind == "all_reduce" else 1) * (n - 1), cpu.link(n)
@@ -56,28 +64,34 @@ def ring(kind: str, nbytes: float, n: int, cpu, meet: bool = True) -> float:
 
 
 def tp_collectives(cfg, par, b: int, e: int) -> dict[str, list[tuple[str, float]]]:
-    """The TP collectives of one micro-batch (module docstring) as [(kind, full tensor bytes)], per place:
-    {"layer_F", "layer_B" (one layer), "emb_F", "emb_B" (first chunk), "head_F", "head_B" (last chunk)}."""
+    """The TP collectives of one micro-batch (module docstring) as [(kind, full tensor bytes)], per
+    place: {"layer_F", "layer_B" (one layer), "emb_F", "emb_B" (first chunk), "head_F", "head_B"
+    (last chunk)}."""
     X, small, full = b * cfg.seq_len * cfg.d_model * e, 4 * b * cfg.seq_len, par.recompute == "full"
     if par.tp == 1:
         return {k: [] for k in ("layer_F", "layer_B", "emb_F", "emb_B", "head_F", "head_B")}
     ar, ag, rs = ("all_reduce", X), ("all_gather", X), ("reduce_scatter", X)
     loss = [("all_reduce", small)] * 2 + [("all_gather", small)]
     if not par.sequence_parallel:
-        return dict(layer_F=[ar] * 2, layer_B=[ar] * (3 if full else 2), emb_F=[ar], emb_B=[], head_F=loss,
+        return dict(layer_F=[ar] * 2, layer_B=[ar] * (3 if full else 2), emb_F=[ar], emb_B=[],
+                    head_F=loss,
                     head_B=[ar])
-    return dict(layer_F=[ag, rs] * 2, layer_B=[rs, ag] * 2 + [ag] * 2 + ([ag, ag, rs] if full else []),
+    return dict(layer_F=[ag, rs] * 2,
+                layer_B=[rs, ag] * 2 + [ag] * 2 + ([ag, ag, rs] if full else []),
                 emb_F=[rs], emb_B=[ag], head_F=[ag] + loss, head_B=[rs, ag])
 
 
 def tp_comm(cfg, par, b: int, e: int, cpu) -> dict[str, float]:
     """Seconds of the TP collectives of one micro-batch, per place (`tp_collectives`)."""
-    return {k: sum(ring(kind, x, par.tp, cpu, meet=i == 0 or x > 4 * b * cfg.seq_len) for i, (kind, x) in enumerate(v))
-            for k, v in tp_collectives(cfg, par, b, e).items()}  # the loss's small ones follow each other
+    return {k: sum(ring(kind, x, par.tp, cpu, meet=i == 0 or x > 4 * b * cfg.seq_len) for i,
+                   (kind, x) in enumerate(v))
+            # the loss's small ones follow each other
+            for k, v in tp_collectives(cfg, par, b, e).items()}
 
 
 def collective_calls(cfg, est) -> dict[str, int]:
-    """The collectives pipeline rank 0 (the first stage) calls in a step, by kind, as comm.count records them."""
+    """The collectives pipeline rank 0 (the first stage) calls in a step, by kind, as comm.count
+    records them."""
     par, chunks, m = est.par, len(est.layers), est.shares[0]
     places = tp_collectives(cfg, par, est.micro_batch, memory.element_bytes(par.precision))
     calls: dict[str, int] = {}
@@ -88,7 +102,8 @@ def collective_calls(cfg, est) -> dict[str, int]:
     if par.tp > 1 and par.sequence_parallel:  # the shard-used parameters' gradients
         calls["all_reduce"] = calls.get("all_reduce", 0) + 1
     if par.dp > 1 and par.zero in (1, 2):
-        calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + 1, all_gather=calls.get("all_gather", 0) + 1)
+        calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + 1,
+                     all_gather=calls.get("all_gather", 0) + 1)
     elif par.dp > 1 and par.zero == 0:  # one all-reduce a bucket (a tensor when naive)
         psi = sum(memory.rank_units(cfg, par.tp, list(est.layers), par.pp, 0))
         mine, per = range(0, chunks, par.pp), memory.layout_bytes(par.precision)
@@ -104,11 +119,13 @@ def speed(cpu, k: float) -> float:
 
 def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, copies: int, cpu,
                   record: list | None = None):
-    """Replay a schedule as `pipeline.schedules.replay` does, but with the cores shared: an action is
-    `work` seconds of computing (at full speed) then `wait` seconds of collectives; while k ranks of the
-    pipeline compute, each goes at speed(k * copies) (copies: the replicas and TP ranks doing the same).
-    work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting) seconds);
-    record, if given, gets per rank [(action, start, end)] (a `pipeline.Timeline`'s events)."""
+    """Replay a schedule as `pipeline.schedules.replay` does, but with the cores shared: an action
+    is `work` seconds of computing (at full speed) then `wait` seconds of collectives; while k ranks
+    of the pipeline compute, each goes at speed(k * copies) (copies: the replicas and TP ranks doing
+    the same).
+    work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting)
+    seconds); record, if given, gets per rank [(action, start, end)] (a `pipeline.Timeline`'s
+    events)."""
     p = len(actions)
     if record is not None:
         record[:] = [[] for _ in range(p)]
@@ -135,7 +152,8 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
                     a = actions[r][nxt[r]]
                     needs = inputs(a, chunks)
                     if all(d in done for d in needs):
-                        ready = max([now] + [done[d] + (latency if rank_of[d] != r else 0.0) for d in needs])
+                        ready = max([now] + [done[d] + (latency if rank_of[d] != r else 0.0)
+                                             for d in needs])
                         if ready <= now + 1e-12:
                             phase[r], left[r], started[r] = "work", work[a.op][a.stage], now
                             changed = True
@@ -147,7 +165,8 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
                     changed = True
         busy = [r for r in range(p) if phase[r] == "work"]
         v = speed(cpu, len(busy) * copies)
-        events = [now + left[r] / v for r in busy] + [until[r] for r in range(p) if phase[r] in ("wait", "ready")]
+        events = [now + left[r] / v for r in busy] + [until[r] for r in range(p)
+                                                      if phase[r] in ("wait", "ready")]
         if not events:
             break
         step = max(min(events) - now, 0.0)
@@ -171,7 +190,8 @@ def _dp_messages(par, psi: int, tensors: int, per: dict) -> tuple[int, int]:
     if par.precision in ("bf16", "fp16") and par.reduce_fp32:
         return tensors, 4
     g = per["grads"]
-    return (tensors if par.dp_mode == "naive" else math.ceil(g * psi / (par.bucket_mb * 2 ** 20))), g
+    return (tensors if par.dp_mode == "naive"
+            else math.ceil(g * psi / (par.bucket_mb * 2 ** 20))), g
 
 
 def dp_comm(par, psi: int, tensors: int, units: int, cpu, per: dict) -> float:
@@ -182,16 +202,20 @@ def dp_comm(par, psi: int, tensors: int, units: int, cpu, per: dict) -> float:
         return 0.0
     if par.zero == 0:
         messages, g = _dp_messages(par, psi, tensors, per)  # after the backward, then back to back
-        return (messages - 1) * ring("all_reduce", 0, n, cpu, meet=False) + ring("all_reduce", g * psi, n, cpu)
-    rs, ag = ring("reduce_scatter", per["grads"] * psi, n, cpu), ring("all_gather", per["params"] * psi, n, cpu)
+        return (messages - 1) * ring("all_reduce", 0, n, cpu, meet=False) + ring("all_reduce",
+                                                                                 g * psi, n, cpu)
+    rs, ag = ring("reduce_scatter", per["grads"] * psi, n, cpu), ring("all_gather",
+                                                                      per["params"] * psi, n, cpu)
     if par.zero in (1, 2):
         return rs + ag
-    return par.microbatches * (2 * ag + rs + (3 * units - 3) * ring("all_gather", 0, n, cpu, meet=False))
+    return par.microbatches * (2 * ag + rs + (3 * units - 3) * ring("all_gather", 0, n, cpu,
+                                                                    meet=False))
 
 
 def optimizer_time(par, psi: int, full: float, cpu, per: dict) -> float:
-    """Seconds of the optimizer step of a rank holding psi parameters, whose whole step (`profile`) takes
-    `full` seconds: that, or with ZeRO its 1/dp share plus the flat copies of (g + p) psi bytes."""
+    """Seconds of the optimizer step of a rank holding psi parameters, whose whole step (`profile`)
+    takes `full` seconds: that, or with ZeRO its 1/dp share plus the flat copies of (g + p) psi
+    bytes."""
     if par.zero == 0:
         return full
     return full / par.dp + (per["grads"] + per["params"]) * psi / cpu.copy_rate
@@ -202,20 +226,28 @@ def _pipeline(cfg, est, e: int):
     chunks, work, wait, latency)."""
     par, cpu, b = est.par, est.cluster.cpu, est.micro_batch
     if par.world != cpu.world:
-        raise ValueError(f"this CPU calibration is for world={cpu.world} ranks (threads and time-sharing depend "
-                         f"on it); the layout has {par.world}: use planner.this_machine(world={par.world})")
+        raise ValueError(f"this CPU calibration is for world={cpu.world} ranks (threads and "
+                         "time-sharing depend "
+                         f"on it); the layout has {par.world}: use "
+                         f"planner.this_machine(world={par.world})")
     if len(set(est.shares)) != 1:
         raise ValueError("the CPU model covers even DP shares only")
     mode = "plain" if par.pp == 1 else "split" if par.schedule == "zb-h1" else "pipe"
-    prof = profile(cfg, b, par.tp, par.sequence_parallel, par.recompute, par.precision, cpu.threads, mode)
+    prof = profile(cfg, b, par.tp, par.sequence_parallel, par.recompute, par.precision,
+                   cpu.threads, mode)
     p, chunks, m = par.pp, len(est.layers), est.shares[0]
     tp = tp_comm(cfg, par, b, e, cpu)
     work, wait = {"F": [], "B": [], "W": []}, {"F": [], "B": [], "W": []}
     for c, n in enumerate(est.layers):
         first, last = c == 0, c == chunks - 1
-        work["F"].append(n * prof.layer_fwd + first * prof.emb_fwd + last * prof.head_fwd + prof.action_fwd)
-        work["B"].append(n * prof.layer_bwd + first * prof.emb_bwd + last * prof.head_bwd + prof.action_bwd)
-        work["W"].append(n * prof.layer_w + (first + last) / 2 * prof.ends_w)  # W of the embeddings, the head
+        work["F"].append(
+            n * prof.layer_fwd + first * prof.emb_fwd + last * prof.head_fwd + prof.action_fwd
+        )
+        work["B"].append(
+            n * prof.layer_bwd + first * prof.emb_bwd + last * prof.head_bwd + prof.action_bwd
+        )
+        # W of the embeddings, the head
+        work["W"].append(n * prof.layer_w + (first + last) / 2 * prof.ends_w)
         wait["F"].append(n * tp["layer_F"] + first * tp["emb_F"] + last * tp["head_F"])
         wait["B"].append(n * tp["layer_B"] + first * tp["emb_B"] + last * tp["head_B"])
         wait["W"].append(0.0)
@@ -242,7 +274,10 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
         mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
         tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
         dp = max(dp, dp_comm(par, sum(units), tensors, len(units), cpu, per))
-        full = sum(est.layers[c] * prof.layer_opt + ((c == 0) + (c == chunks - 1)) / 2 * prof.ends_opt for c in mine)
+        full = sum(
+            est.layers[c] * prof.layer_opt + ((c == 0) + (c == chunks - 1)) / 2 * prof.ends_opt
+            for c in mine
+        )
         opt = max(opt, optimizer_time(par, sum(units), full, cpu, per) / speed(cpu, par.world))
         if par.sequence_parallel:  # the shard-used parameters' gradients, summed over the TP group
             partial = sum(6 * cfg.d_model * est.layers[c] + cfg.seq_len * cfg.d_model * (c == 0) +
@@ -250,8 +285,10 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
             sp = max(sp, ring("all_reduce", partial * per["grads"], par.tp, cpu))
     loss = ring("all_reduce", 8, par.dp, cpu) + ring("all_reduce", 8, p, cpu)
     computing, waiting = spent[busiest]
-    breakdown = {"compute": computing, "recompute": 0.0, "memory_bound": 0.0, "tp_comm": waiting + sp,
+    breakdown = {"compute": computing, "recompute": 0.0, "memory_bound": 0.0,
+                 "tp_comm": waiting + sp,
                  "bubble": 0.0, "pp_p2p": 0.0, "dp_comm": dp + loss, "optimizer": opt}
     idle = max(0.0, span - computing - waiting)
-    breakdown["bubble" if p > 1 else "compute"] += idle  # pp = 1: the time-sharing slowdown is compute
+    breakdown["bubble" if p > 1 else "compute"] += idle  # pp = 1: the time-sharing slowdown is
+                                                         #   compute
     return sum(breakdown.values()), breakdown, pipeline.Timeline(events)

@@ -2,38 +2,44 @@
 
 `predict.py` composes these pieces into a step time and a memory footprint. Per micro-batch of b
 sequences of s tokens, on one GPU of a stage holding its layers split t ways (t = tp), e bytes a
-16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency (fp32 runs as TF32: half the peak):
+16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency (fp32 runs as TF32: half the
+peak):
 
-  matmuls, a layer  F = (24 b s h^2 + 4 b s^2 h) / t FLOPs, backward 2F: the model FLOPs of Korthikanti
-                    et al. 2022 eq. 7, 72 b s l h^2 (1 + s/(6h) + V/(12 l h)) with the head, over 3.
-                    ZB-H1 splits the backward (Qi et al. 2023): B = (24 b s h^2 + 8 b s^2 h)/t, W = 24 b s h^2/t
+  matmuls, a layer  F = (24 b s h^2 + 4 b s^2 h) / t FLOPs, backward 2F: the model FLOPs of
+                    Korthikanti et al. 2022 eq. 7, 72 b s l h^2 (1 + s/(6h) + V/(12 l h)) with the
+                    head, over 3. ZB-H1 splits the backward (Qi et al. 2023): B = (24 b s h^2 + 8 b
+                    s^2 h)/t, W = 24 b s h^2/t
   head              F = 2 b s h V / t (the logits, last stage), backward 4 b s h V / t; memory-bound
                     s b V/t (2e + 4) bytes forward (logits written and read, fp32 log-probabilities)
-  recompute         selective: the attention core's forward again, 4 b s^2 h / t FLOPs; full: the whole
-                    forward of the layer again (matmuls, memory traffic and TP all-reduces)
-  memory-bound      bytes / HBM bandwidth. Per layer forward: LayerNorms and residual adds 10 s b h e
-                    (/t with SP), the GELU 8 s b h e / t; materialised attention (Megatron-LM in 2022,
-                    not minipar's fused SDPA) 13 a s^2 b / t more: the scores written (2), softmaxed (2 + 2),
-                    dropped out (2 + 2 + a 1-byte mask), read by the PV matmul (2). Backward moves twice
-                    the forward's bytes (it reads what was saved and the output gradient, writes the input's)
-  TP                4 all-reduces of X = b s h e a layer (2 in F, 2 in B; SP's all-gather + reduce-scatter
-                    pairs move the same bytes and their re-gather in backward is overlapped, as in Megatron),
-                    + 1 for the embedding (F) and 1 for the head (B). Ring: 2(t-1)/t X/bw + 2(t-1) latency
-  PP                one message of X (X/t with SP: each rank sends its sequence shard) per boundary per
-                    micro-batch each way: X/bw + latency, on the slowest link the pipeline crosses
+  recompute         selective: the attention core's forward again, 4 b s^2 h / t FLOPs; full: the
+                    whole forward of the layer again (matmuls, memory traffic and TP all-reduces)
+  memory-bound      bytes / HBM bandwidth. Per layer forward: LayerNorms and residual adds 10 s b h
+                    e (/t with SP), the GELU 8 s b h e / t; materialised attention (Megatron-LM in
+                    2022, not minipar's fused SDPA) 13 a s^2 b / t more: the scores written (2),
+                    softmaxed (2 + 2), dropped out (2 + 2 + a 1-byte mask), read by the PV matmul
+                    (2). Backward moves twice the forward's bytes (it reads what was saved and the
+                    output gradient, writes the input's)
+  TP                4 all-reduces of X = b s h e a layer (2 in F, 2 in B; SP's all-gather +
+                    reduce-scatter pairs move the same bytes and their re-gather in backward is
+                    overlapped, as in Megatron), + 1 for the embedding (F) and 1 for the head (B).
+                    Ring: 2(t-1)/t X/bw + 2(t-1) latency
+  PP                one message of X (X/t with SP: each rank sends its sequence shard) per boundary
+                    per micro-batch each way: X/bw + latency, on the slowest link the pipeline
+                    crosses
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
                     the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
                     (overlapped the same way) + all-gather of the updated parameters after the step
                     (exposed); stage 3: per micro-batch 2 all-gathers + 1 reduce-scatter, prefetched
                     under that micro-batch's compute, exposed where longer than it
-  optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM speed
-                    (read the gradient, read and write the weights and the optimizer state)
+  optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM
+                    speed (read the gradient, read and write the weights and the optimizer state)
 
 Memory is not here: it is the same on GPUs and CPUs, memory.py's count (predict.stage_memory).
 
 Links: ranks on one node talk over NVLink (intra_*), else over the node's NICs (inter_*, per GPU:
 one NIC each). The grid is minipar's (pp, dp, tp), tp innermost (mesh.py): a TP group spans nodes
-when tp > gpus_per_node, a DP group when dp * tp does, a pipeline when its stages are on different nodes.
+when tp > gpus_per_node, a DP group when dp * tp does, a pipeline when its stages are on different
+nodes.
 """
 
 from __future__ import annotations
@@ -78,19 +84,22 @@ def layer_cost(cfg, w: Work) -> dict[str, dict[str, float]]:
     """Seconds of one transformer layer, {"F"|"B"|"W": {component: s}} (module docstring)."""
     s, b, h, a, t = cfg.seq_len, w.b, cfg.d_model, cfg.n_head, w.t
     dense, core = 24 * b * s * h * h / t, 4 * b * s * s * h / t
-    traffic = w.e * s * b * h * (10 / (t if w.sp else 1) + 8 / t) + (13 * a * s * s * b / t if w.materialized else 0)
+    traffic = w.e * s * b * h * (10 / (t if w.sp else 1) + 8 / t) + (13 * a * s * s * b / t
+                                                                     if w.materialized else 0)
     ar = all_reduce(b * s * h * w.e, t, w.tp_link)
     fwd = {"compute": (dense + core) / w.rate, "memory_bound": traffic / w.hbm, "tp_comm": 2 * ar}
-    redo = {"none": 0.0, "selective": core / w.rate + (13 * a * s * s * b / t / w.hbm if w.materialized else 0),
+    redo = {"none": 0.0,
+            "selective": core / w.rate + (13 * a * s * s * b / t / w.hbm if w.materialized else 0),
             "full": sum(fwd.values())}[w.recompute]
-    bwd = {"compute": (dense + 2 * core if w.split else 2 * dense + 2 * core) / w.rate, "recompute": redo,
+    bwd = {"compute": (dense + 2 * core if w.split else 2 * dense + 2 * core) / w.rate,
+           "recompute": redo,
            "memory_bound": 2 * traffic / w.hbm, "tp_comm": 2 * ar}
     return {"F": fwd, "B": bwd, "W": {"compute": dense / w.rate} if w.split else {}}
 
 
 def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, float]]:
-    """Seconds of the embedding (first stage: its TP all-reduce and lookups) and the head (last stage:
-    final LayerNorm, logits, loss; the TP all-reduce before it in backward)."""
+    """Seconds of the embedding (first stage: its TP all-reduce and lookups) and the head (last
+    stage: final LayerNorm, logits, loss; the TP all-reduce before it in backward)."""
     s, b, h, V, t = cfg.seq_len, w.b, cfg.d_model, cfg.vocab_size, w.t
     ar = all_reduce(b * s * h * w.e, t, w.tp_link)
     out = {"F": {}, "B": {}, "W": {}}
@@ -98,33 +107,40 @@ def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, floa
         out["F"] = {"memory_bound": 3 * s * b * h * w.e / w.hbm, "tp_comm": ar}
     if last:
         logits = 2 * b * s * h * V / t
-        # the logits written and read by the loss (2e), its fp32 log-probabilities (4); ln_f's input and output
+        # the logits written and read by the loss (2e), its fp32 log-probabilities (4); ln_f's input
+        # and output
         traffic = s * b * V / t * (2 * w.e + 4) + 2 * s * b * h * w.e / (t if w.sp else 1)
         out["F"] = _add(out["F"], {"compute": logits / w.rate, "memory_bound": traffic / w.hbm})
-        out["B"] = {"compute": (1 if w.split else 2) * logits / w.rate, "memory_bound": 2 * traffic / w.hbm,
+        out["B"] = {"compute": (1 if w.split else 2) * logits / w.rate,
+                    "memory_bound": 2 * traffic / w.hbm,
                     "tp_comm": ar}
         out["W"] = {"compute": logits / w.rate} if w.split else {}
     return out
 
 
 def chunk_cost(cfg, w: Work, layers: int, first: bool, last: bool) -> dict[str, dict[str, float]]:
-    """Seconds of one model chunk (its layers, plus the embedding or the head at the ends) per micro-batch."""
+    """Seconds of one model chunk (its layers, plus the embedding or the head at the ends) per
+    micro-batch."""
     layer, ends = layer_cost(cfg, w), ends_cost(cfg, w, first, last)
-    return {op: _add({k: layers * v for k, v in layer[op].items()}, ends[op]) for op in ("F", "B", "W")}
+    return {op: _add({k: layers * v for k, v in layer[op].items()}, ends[op])
+            for op in ("F", "B", "W")}
 
 
 def _add(x: dict, y: dict) -> dict:
     return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in {**x, **y}}
 
 
-def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: float, units: int) -> float:
-    """Exposed seconds of the DP/ZeRO collectives of a stage holding `psi` parameters a GPU; `window` is
-    the backward of its last micro-batch (what buckets overlap), `compute_mb` a micro-batch's compute."""
+def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: float,
+            units: int) -> float:
+    """Exposed seconds of the DP/ZeRO collectives of a stage holding `psi` parameters a GPU;
+    `window` is the backward of its last micro-batch (what buckets overlap), `compute_mb` a
+    micro-batch's compute."""
     n = par.dp
     if n == 1:
         return 0.0
     if par.zero == 0:
-        g = 4 if par.precision == "fp32" or (par.precision in ("bf16", "fp16") and par.reduce_fp32) else per["grads"]
+        g = 4 if par.precision == "fp32" or (par.precision in ("bf16", "fp16")
+                                             and par.reduce_fp32) else per["grads"]
         total = all_reduce(g * psi, n, link)
         return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
     rs = gather_or_scatter(per["grads"] * psi, n, link)
@@ -136,7 +152,8 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
 
 
 def _overlap(total: float, nbytes: float, bucket_mb: float, window: float) -> float:
-    """All buckets but the last hide under `window` (as far as it lasts); the last one is exposed."""
+    """All buckets but the last hide under `window` (as far as it lasts); the last one is
+    exposed."""
     last = total / max(1, math.ceil(nbytes / (bucket_mb * 2 ** 20)))
     return last + max(0.0, total - last - window)
 
@@ -149,14 +166,16 @@ def fit_efficiency(cfg, layer_step: float, micro_batch: int, tp: int, cluster: C
                    sequence_parallel: bool = True, materialized: bool = False,
                    precision: str = "bf16") -> float:
     """The efficiency that makes one layer's forward + backward (no recomputation) take `layer_step`
-    seconds: the matmul FLOPs over the time left once this model's TP and memory-bound time are taken off.
+    seconds: the matmul FLOPs over the time left once this model's TP and memory-bound time are
+    taken off.
 
-    Korthikanti Table 4 (22B: a 64, h 6144, s 2048; t = 8, b = 4, SP, Megatron's materialised attention,
-    7.7 + 11.9 ms on A100s) gives the A100's 0.69."""
+    Korthikanti Table 4 (22B: a 64, h 6144, s 2048; t = 8, b = 4, SP, Megatron's materialised
+    attention, 7.7 + 11.9 ms on A100s) gives the A100's 0.69."""
     ranks = range(tp)
     w = Work(micro_batch, tp, sequence_parallel, "none", memory.element_bytes(precision), 1.0,
              cluster.memory_bandwidth, cluster.link(ranks), False, materialized)
     cost = layer_cost(cfg, w)
     flops = cost["F"]["compute"] + cost["B"]["compute"]  # FLOPs, since the rate was 1
     other = sum(v for op in cost.values() for k, v in op.items() if k != "compute")
-    return flops / (layer_step - other) / (cluster.peak_flops * (0.5 if precision == "fp32" else 1.0))
+    return flops / (layer_step - other) / (cluster.peak_flops * (0.5 if precision == "fp32"
+                                                                 else 1.0))

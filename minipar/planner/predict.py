@@ -1,20 +1,26 @@
-"""The planner: a layout's step time and memory on a cluster (`estimate`), and a search over layouts (`plan`).
+"""The planner: a layout's step time and memory on a cluster (`estimate`), and a search over layouts
+(`plan`).
 
-    step      = makespan of the pipeline schedule, simulated by `pipeline.simulate` with each chunk's
-                F, B, W costs (gpu_time.py) and each message's p2p time  +  exposed DP/ZeRO time  +  optimizer
-    breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy time)
+    step      = makespan of the pipeline schedule, simulated by `pipeline.simulate` with each
+              chunk's
+                F, B, W costs (gpu_time.py) and each message's p2p time  +  exposed DP/ZeRO time  +
+                optimizer
+    breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy
+    time)
                 + bubble (makespan with free messages - busy) + pp_p2p (what the messages add)
                 + dp_comm + optimizer; the terms sum to the step time
-    FLOPs     model FLOPs, Korthikanti et al. 2022 eq. 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) a step
+    FLOPs     model FLOPs, Korthikanti et al. 2022 eq. 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) a
+              step
                 (recomputation not counted: that would be hardware FLOPs);
                 tflops_per_gpu = FLOPs / step / world,  mfu = FLOPs / step / (world * peak)
-    memory    per GPU of each pipeline stage (the fullest one reported, by category as memory.predict):
+    memory    per GPU of each pipeline stage (the fullest one reported, by category as
+              memory.predict):
                 params, grads, optimizer: the stage's parameters (tp_params' split, its chunks only)
                   under ZeRO over dp, padded as zero.py pads (equal to memory.predict when pp = 1)
                 activations: memory.activations per layer (TP, SP, recompute; 16-bit unless fp32),
                   times the micro-batches the schedule keeps in flight on that rank (walked from the
-                  schedule's own actions: an F adds its chunk, the chunk's last backward op frees it),
-                  + the token ids on the first chunk, the head and loss on the last
+                  schedule's own actions: an F adds its chunk, the chunk's last backward op frees
+                  it), + the token ids on the first chunk, the head and loss on the last
                 comm: DP buckets or ZeRO's gathered units, as memory.predict counts them
                 (`stage_memory`: memory.rank_states of each rank's memory.rank_units, which
                 memory.predict adds up too, and memory.pipeline_activations over the schedule)
@@ -31,10 +37,13 @@ gpu_time.py.
 
 Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one efficiency, 0.69, from their
 Table 4; tests/test_planner.py), seconds a step, predicted / published:
-    SP + selective   22B 1.04 / 1.10 (-5%)   175B 13.6 / 13.75 (-1%)   530B 41.2 / 37.83 (+9%)   1T 77.5 / 71.49 (+8%)
-    full recompute   22B 1.33 / 1.42 (-7%)   175B 17.8 / 18.13 (-2%)   530B 53.7 / 49.05 (+10%)  1T 101 / 94.42 (+7%)
-The sign flips with size: the larger the matrices, the closer to peak Megatron's matmuls ran, which one
-efficiency cannot follow (the 530B and 1T last stages also carry the logits, 7-8% of their work).
+    SP + selective   22B 1.04 / 1.10 (-5%)   175B 13.6 / 13.75 (-1%)   530B 41.2 / 37.83 (+9%)   1T
+                     77.5 / 71.49 (+8%)
+    full recompute   22B 1.33 / 1.42 (-7%)   175B 17.8 / 18.13 (-2%)   530B 53.7 / 49.05 (+10%)  1T
+                     101 / 94.42 (+7%)
+The sign flips with size: the larger the matrices, the closer to peak Megatron's matmuls ran, which
+one efficiency cannot follow (the 530B and 1T last stages also carry the logits, 7-8% of their
+work).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
@@ -55,7 +64,8 @@ from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, GiB
 from minipar.planner.gpu_time import Work, chunk_cost, dp_time, optimizer_time, p2p
 
-TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm", "optimizer")
+TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
+         "optimizer")
 
 
 @dataclass
@@ -75,7 +85,8 @@ class Estimate:
     model_flops: float = 0.0
     # the slowest replica's pipeline as timed (the DP and optimizer time after it left out), kept as
     # simulated: a Timeline in units of `time_unit` seconds, shared with every layout of the same
-    # proportions (`_simulate`); on a CPU cluster cpu_time's replay with the cores shared, in seconds
+    # proportions (`_simulate`); on a CPU cluster cpu_time's replay with the cores shared, in
+    # seconds
     simulated: pipeline.Timeline | None = field(default=None, repr=False)
     time_unit: float = 1.0
 
@@ -100,17 +111,20 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        return self.model_flops / self.step_time / (self.par.world * self.cluster.peak_total / self.cluster.world)
+        peak_per_gpu = self.cluster.peak_total / self.cluster.world
+        return self.model_flops / self.step_time / (self.par.world * peak_per_gpu)
 
     @property
     def label(self) -> str:
         p = self.par
-        sched = f" {p.schedule}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") if p.pp > 1 else ""
+        sched = f" {p.schedule}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1
+                                    else "") if p.pp > 1 else ""
         return (f"dp{p.dp} tp{p.tp} pp{p.pp}{sched} b{self.micro_batch} zero{p.zero}"
                 f"{' sp' if p.sequence_parallel else ''} rc={p.recompute}")
 
     def __repr__(self):
-        return (f"Estimate({self.label}: {self.step_time:.4g} s, {self.tflops_per_gpu:.0f} TFLOP/s, "
+        return (f"Estimate({self.label}: {self.step_time:.4g} s, {self.tflops_per_gpu:.0f} "
+                "TFLOP/s, "
                 f"MFU {self.mfu:.1%}, {self.total_memory / GiB:.1f} GiB)")
 
 
@@ -134,9 +148,11 @@ def _validate(cfg, par, cluster, global_batch: int, micro_batch: int) -> Paralle
     if not isinstance(global_batch, int) or global_batch % (par.dp * micro_batch):
         raise ValueError(f"global_batch ({global_batch}) must divide by dp * micro_batch "
                          f"({par.dp} * {micro_batch})")
-    m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the batch sizes decide it
+    m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the batch sizes decide
+                                                #   it
     if par.world > cluster.world:
-        raise ValueError(f"the layout needs dp * tp * pp = {par.world} GPUs, the cluster has {cluster.world}")
+        raise ValueError(f"the layout needs dp * tp * pp = {par.world} GPUs, the cluster has "
+                         f"{cluster.world}")
     par = par.replace(microbatches=m, schedule=par.schedule if par.pp > 1 else "1f1b")
     par.check(cfg, global_batch)
     return par
@@ -177,7 +193,8 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, p, max(shares), par.virtual_stages))
     mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
-    for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers out of full stages
+    for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers out of full
+                                                           #   stages
         free = [capacity[r] - sum(mem[r].values()) for r in range(p)]
         worst, best = free.index(min(free)), free.index(max(free))
         donor = next((c for c in range(worst, chunks, p) if layers[c] > 1), None)
@@ -223,7 +240,8 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
     costs = []
     for c, n in enumerate(est.layers):
         ranks = grid_ranks(par.dp, par.tp, p, pp_rank=c % p, dp_rank=j)
-        w = Work(b, par.tp, par.sequence_parallel, par.recompute, e, cluster.rate(ranks, par.precision),
+        w = Work(b, par.tp, par.sequence_parallel, par.recompute, e,
+                 cluster.rate(ranks, par.precision),
                  min(cluster.device(x).memory_bandwidth for x in ranks), cluster.link(ranks),
                  par.schedule == "zb-h1", attention == "materialized")
         costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
@@ -237,8 +255,8 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
 
 
 def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, tuple]:
-    """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est` on its GPUs
-    (gpu_time.py)."""
+    """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est` on
+    its GPUs (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
     per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
     replicas = {}
@@ -277,7 +295,8 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
              attention: str = "flash") -> Estimate:
     """Predicted memory (fullest GPU) and step time of layout `par` on `cluster` (module docstring).
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
-    (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the activations
-    then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is recomputed)."""
+    (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the
+    activations then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is
+    recomputed)."""
     est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention)
     return time_layout(cfg, est, attention)

@@ -1,5 +1,5 @@
-"""The search over layouts: every candidate that fits, ranked by predicted step time (`plan`), why the
-winner wins (`explain`), and what would fit when nothing does (`NoFeasiblePlan`)."""
+"""The search over layouts: every candidate that fits, ranked by predicted step time (`plan`), why
+the winner wins (`explain`), and what would fit when nothing does (`NoFeasiblePlan`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,11 +28,13 @@ def _schedules(pp: int, m: int, n_layer: int, schedules, virtual_stages):
             yield from ((name, v) for v in virtual_stages if v > 1 and pp * v <= n_layer)
 
 
-def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
+def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8),
+               schedules=SCHEDULES,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
-    """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all of
-    cluster.world; tp <= gpus_per_node dividing the heads; ZeRO > 0 only with dp > 1, ZeRO-3 only
-    without pp; sequence parallel whenever tp > 1 (it only saves), except with ZeRO-3 (config.py)."""
+    """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all
+    of cluster.world; tp <= gpus_per_node dividing the heads; ZeRO > 0 only with dp > 1, ZeRO-3 only
+    without pp; sequence parallel whenever tp > 1 (it only saves), except with ZeRO-3
+    (config.py)."""
     world = cluster.world
     for tp in _divisors(world):
         if tp > cluster.gpus_per_node or cfg.n_head % tp or cfg.vocab_size % tp:
@@ -44,8 +46,10 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
                 for name, v in _schedules(pp, m, cfg.n_layer, schedules, virtual_stages):
                     for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and pp > 1)):
                         sp = tp > 1 and z != 3 and cfg.seq_len % tp == 0
-                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m, schedule=name,
-                                             virtual_stages=v, sequence_parallel=sp, precision=precision), b
+                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m,
+                                             schedule=name,
+                                             virtual_stages=v, sequence_parallel=sp,
+                                             precision=precision), b
 
 
 def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
@@ -55,7 +59,8 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     `recompute` with which it fits (recomputing more only costs time). Raises NoFeasiblePlan, saying
     what would fit, when none does."""
     fitting, smallest = [], None
-    for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages, zero, precision):
+    for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages,
+                             zero, precision):
         for rc in recompute:
             try:
                 est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b,
@@ -65,10 +70,14 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
             if est.fits:
                 fitting.append(time_layout(cfg, est, attention))
                 break
-            if smallest is None or est.total_memory / est.capacity < smallest.total_memory / smallest.capacity:
+            if (
+                smallest is None
+                or est.total_memory / est.capacity < smallest.total_memory / smallest.capacity
+            ):
                 smallest = est
     if not fitting:
-        raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute, precision))
+        raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero,
+                                     recompute, precision))
     return sorted(fitting, key=lambda e: (e.step_time, e.total_memory))
 
 
@@ -85,9 +94,12 @@ def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
 
 def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute, precision) -> str:
     if smallest is None:
-        return (f"no layout of {cluster.world} GPUs divides global_batch {global_batch} with micro-batches "
-                f"{tuple(micro_batches)}: choose a global batch divisible by more data-parallel degrees")
-    lines = [f"nothing fits {cluster.memory_per_gpu / GiB:.0f} GiB a GPU on {cluster.world} GPUs: the smallest, "
+        return (f"no layout of {cluster.world} GPUs divides global_batch {global_batch} with "
+                "micro-batches "
+                f"{tuple(micro_batches)}: choose a global batch divisible by more data-parallel "
+                "degrees")
+    lines = [f"nothing fits {cluster.memory_per_gpu / GiB:.0f} GiB a GPU on {cluster.world} GPUs: "
+             "the smallest, "
              f"{smallest.label}, needs {smallest.total_memory / GiB:.1f} GiB "
              f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in smallest.memory.items())})."]
     if 1 not in micro_batches:
@@ -100,23 +112,27 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
         bigger = dataclasses.replace(cluster, nodes=cluster.nodes * k, groups=())
         est = _fits_somewhere(cfg, bigger, global_batch, precision)
         if est is not None:
-            lines.append(f"With {bigger.world} GPUs ({bigger.nodes} nodes) it fits, e.g. {est.label} "
+            lines.append(f"With {bigger.world} GPUs ({bigger.nodes} nodes) it fits, e.g. "
+                         f"{est.label} "
                          f"({est.total_memory / GiB:.1f} GiB).")
             break
     else:
-        lines.append(f"Even {cluster.world * 64} GPUs are not enough at global batch {global_batch}.")
+        lines.append(f"Even {cluster.world * 64} GPUs are not enough at global batch "
+                     f"{global_batch}.")
     return " ".join(lines)
 
 
 def explain(estimates: list[Estimate], top: int = 5) -> str:
-    """Why the winner wins: for each runner-up, the breakdown term that costs it most against the winner."""
+    """Why the winner wins: for each runner-up, the breakdown term that costs it most against the
+    winner."""
     if not estimates:
         return "no estimates"
     best = estimates[0]
     lines = [f"#1 {best.label}: {best.step_time:.4g} s ({best.mfu:.1%} MFU)"]
     for i, e in enumerate(estimates[1:top], 2):
         if e.step_time - best.step_time <= 1e-9 * best.step_time:
-            lines.append(f"#{i} {e.label}: as fast, with {(e.total_memory - best.total_memory) / GiB:+.1f} GiB")
+            lines.append(f"#{i} {e.label}: as fast, with "
+                         f"{(e.total_memory - best.total_memory) / GiB:+.1f} GiB")
             continue
         diff = {k: e.breakdown[k] - best.breakdown[k] for k in TERMS}
         worst, gain = max(diff, key=diff.get), min(diff, key=diff.get)
@@ -129,11 +145,13 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
 
 
 def format_table(estimates: list[Estimate], top: int = 10) -> str:
-    """The ranked estimates as a text table: layout, step time, TFLOP/s, MFU, memory, and the breakdown (s)."""
+    """The ranked estimates as a text table: layout, step time, TFLOP/s, MFU, memory, and the
+    breakdown (s)."""
     heads = ["#", "layout", "step s", "TFLOP/s", "MFU", "GiB"] + list(TERMS)
     rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
              f"{e.total_memory / GiB:.1f}"] + [f"{e.breakdown[k]:.3g}" for k in TERMS]
             for i, e in enumerate(estimates[:top], 1)]
     widths = [max(len(r[c]) for r in [heads] + rows) for c in range(len(heads))]
-    fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths)))
+    fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c,
+                              (x, w) in enumerate(zip(r, widths)))
     return "\n".join([fmt(heads)] + [fmt(r) for r in rows])
