@@ -190,7 +190,7 @@ def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int) -> list[in
     return [u for c in mine for u in chunk_units(cfg, t, layers[c], c == 0, c == n - 1)]
 
 
-def _shard(total: int, n: int, rank: int) -> tuple[int, int]:
+def flat_shard(total: int, n: int, rank: int) -> tuple[int, int]:
     """(shard length, real elements `rank` owns) of a flat buffer padded to n equal shards
     (zero.py)."""
     shard = -(-total // n)
@@ -303,7 +303,7 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str,
     data_parallel.py allocate them (`predict` gives the formulas): ZeRO-3 pads each unit on its own,
     stages 0-2 one flat buffer of their sum. predict and the planner's stages count with it."""
     n, stage, psi = par.dp, par.zero, sum(sizes)
-    shards = [_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
+    shards = [flat_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
     if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its
                       #   masters' instead)
@@ -380,31 +380,3 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
             peak = max(peak, current)
         peaks.append(peak)
     return peaks
-
-
-def predict_traffic(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
-    """Bytes one rank sends per step, {collective: bytes}, named as `comm.count` records them:
-
-      stage 0 (dp > 1)  all_reduce      2(N-1)/N g Psi          (ring; uneven chunks move it a few
-                        bytes)
-      stages 1, 2       reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  (N-1)/N p Psi_pad
-      stage 3           reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  2 (N-1)/N p Psi_pad
-                        (gathered before forward and again before backward: 3 Psi in all, 1.5x DP),
-                        times par.microbatches: every micro-batch gathers and reduces again
-    Psi is what one rank holds (`tp_params`); tensor_parallel.traffic adds the TP group's bytes.
-    With par.collectives == "torch" the names get a "torch_" prefix. Nothing is sent when N = 1.
-    """
-    per = bytes_per_param or layout_bytes(par.precision)
-    n, units = par.dp, chunk_units(cfg, par.tp, cfg.n_layer, True, True)
-    if n == 1:
-        return {}
-    psi = sum(units)
-    shard = sum(_shard(size, n, 0)[0] for size in (units if par.zero == 3 else [psi]))
-    if par.zero == 0:
-        sent = {"all_reduce": 2 * (n - 1) / n * per["grads"] * psi}
-    else:
-        times = par.microbatches if par.zero == 3 else 1
-        sent = {"reduce_scatter": times * (n - 1) * shard * per["grads"],
-                "all_gather": times * (2 if par.zero == 3 else 1) * (n - 1) * shard * per["params"]}
-    prefix = "torch_" if par.collectives == "torch" else ""
-    return {prefix + k: v for k, v in sent.items()}

@@ -35,7 +35,7 @@ each:
     with SP      each all-reduce above an all-gather + reduce-scatter pair of the same bytes;
                  backward gathers each column-parallel input again (2 l + 1 more all-gathers: bytes
                  for memory); once a step an all-reduce of the 6 l h + s h + 2 h partial gradients
-                 (`traffic`)
+                 (`traffic.tp` adds them up)
     activations  a layer (Korthikanti Table 2, 16-bit): s b h (10 + 24/t + 5 a s/(h t)); SP: s b h
                  (34/t + 5 a s/(h t))
 """
@@ -388,40 +388,3 @@ def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None)
 def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
     """The single-device weights, blocks gathered from every rank of the group (a collective)."""
     return {name: gather_blocks(p, p, tp) for name, p in model.named_parameters()}
-
-
-def traffic(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
-    """Bytes one rank (of DP rank `dp_rank`: its b with par.dp_shares) sends to its TP group per
-    step, {collective: bytes}, as a `comm.CommStats` names them.
-
-    A micro-batch of b s tokens, X = b s h e bytes (e = 4 in fp32, 2 in 16-bit), t ranks, l layers:
-      no SP  all_reduce      (4 l + 2) 2(t-1)/t X            the layers' f and g, embedding, head
-                           + 2 * 2(t-1)/t * 4 b s            the loss: sum of exp, target logit
-             all_gather      (t-1) 4 b s                     the loss: every rank's maxima
-      SP     reduce_scatter  (4 l + 2) (t-1)/t X
-             all_gather      (6 l + 3) (t-1)/t X + (t-1) 4 b s     the extra 2 l + 1: inputs
-                             gathered
-                                                                   again in backward (not stored)
-             all_reduce      the loss's, as above, + once a step 2(t-1)/t g (6 l h + s h + 2 h),
-                             the partial gradients (g bytes a gradient element)
-    times par.microbatches. Full recomputation (recompute.py) runs each layer's forward again in
-    backward, as far as the backward needs it: up to the attention's g, so + l all-reduces of X (SP:
-    + l reduce- scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent
-    when t = 1.
-    """
-    t, l = par.tp, cfg.n_layer
-    if t == 1:
-        return {}
-    b = par.dp_rows(global_batch)[dp_rank] // par.microbatches
-    e = 4 if par.precision == "fp32" else 2
-    x, stats, ring = b * cfg.seq_len * cfg.d_model * e, 4 * b * cfg.seq_len, (t - 1) / t
-    m, again = par.microbatches, l * (par.recompute == "full")  # the layers' recomputed forwards
-    if par.sequence_parallel:
-        partial = 6 * l * cfg.d_model + cfg.seq_len * cfg.d_model + 2 * cfg.d_model
-        sent = {"reduce_scatter": m * (4 * l + 2 + again) * ring * x,
-                "all_gather": m * ((6 * l + 3 + 2 * again) * ring * x + (t - 1) * stats),
-                "all_reduce": m * 2 * 2 * ring * stats + 2 * ring * partial * e}
-    else:
-        sent = {"all_reduce": m * ((4 * l + 2 + again) * 2 * ring * x + 2 * 2 * ring * stats),
-                "all_gather": m * (t - 1) * stats}
-    return {("torch_" if par.collectives == "torch" else "") + k: v for k, v in sent.items()}

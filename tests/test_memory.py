@@ -11,7 +11,7 @@ import torch
 import workers_dp
 
 import minipar
-from minipar import GPTConfig, ParallelConfig, data, memory
+from minipar import GPTConfig, ParallelConfig, data, memory, traffic
 from minipar.model import cross_entropy
 
 ODD = GPTConfig.preset("tiny", vocab_size=97)   # 216,353 parameters: every flat buffer pads at dp = 2, 3
@@ -48,11 +48,11 @@ def test_predicted_equals_measured(dp):
     ranks = minipar.launch(workers_dp.train_variants, dp, ODD, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
         check(ODD, par, [r[i].memory for r in ranks])
-        predicted = memory.predict_traffic(ODD, par)
+        predicted = traffic.dp(ODD, par)
         for r in ranks:
             sent = {k: v / STEPS for k, v in r[i].comm.items()}
             if par.precision != "fp32":
-                continue  # predict_traffic counts fp32 bytes
+                continue  # traffic.dp counts fp32 bytes
             if par.zero:  # the ZeRO collectives are exact: every buffer divides by dp
                 assert sent == predicted, par.label
             else:  # a ring all-reduce of a length not divisible by dp: a few elements more or less

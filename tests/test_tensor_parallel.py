@@ -3,7 +3,7 @@
 Layers: each parallel layer's output and input and weight gradients equal the part of the
 single-device layer's that the rank holds, t = 2, 3, 4, with and without sequence parallelism.
 Training: losses and final weights equal the single-process run for tp 2, 3, 4, with SP, and with dp.
-Costs: the collectives are counted exactly, bytes equal `tensor_parallel.traffic`, activation memory
+Costs: the collectives are counted exactly, bytes equal `traffic.tp`, activation memory
 per layer equals Korthikanti et al.'s formula less what minipar does not store, and the full
 vocabulary never appears in a tensor.
 """
@@ -12,7 +12,7 @@ import workers_tp
 from reference import assert_same_training
 
 import minipar
-from minipar import memory, tensor_parallel
+from minipar import memory, tensor_parallel, traffic
 from minipar.config import ParallelConfig
 
 TINY = minipar.GPTConfig.preset("tiny")          # 4 layers, 4 heads, h 64, V 96, s 64
@@ -53,7 +53,7 @@ def test_layout_invariance_and_traffic(cfg, par, reference):
     res = minipar.train(cfg, par, **KW)
     assert_same_training(res, reference[cfg])
     l, m = cfg.n_layer, par.microbatches
-    expected = tensor_parallel.traffic(cfg, par, BATCH)
+    expected = traffic.tp(cfg, par, BATCH)
     tp_kinds = {k: v for k, v in res.comm_bytes[0].items() if k in expected}
     if par.dp == 1:  # the dp group's reductions share the names; they are tested in test_data_parallel
         assert tp_kinds == pytest.approx({k: STEPS * v for k, v in expected.items()}, rel=1e-12)
@@ -74,8 +74,8 @@ def test_full_recomputation_repeats_the_forward_collectives_it_needs(sp, referen
     par = ParallelConfig(tp=2, sequence_parallel=sp, recompute="full")
     res = minipar.train(TINY, par, **KW)
     assert_same_training(res, reference[TINY])
-    plain = tensor_parallel.traffic(TINY, par.replace(recompute="none"), BATCH)
-    expected = tensor_parallel.traffic(TINY, par, BATCH)
+    plain = traffic.tp(TINY, par.replace(recompute="none"), BATCH)
+    expected = traffic.tp(TINY, par, BATCH)
     assert res.comm_bytes[0] == pytest.approx({k: STEPS * v for k, v in expected.items()}, rel=1e-12)
     x, l = BATCH * TINY.seq_len * TINY.d_model * 4, TINY.n_layer  # one micro-batch; ring (t-1)/t = 1/2
     more = {"reduce_scatter": l * x / 2, "all_gather": 2 * l * x / 2} if sp else {"all_reduce": l * x}
@@ -85,8 +85,8 @@ def test_full_recomputation_repeats_the_forward_collectives_it_needs(sp, referen
 def test_two_all_reduces_per_layer_each_way():
     """Bytes of the layers' all-reduces per layer per micro-batch: 8 b s h e (t-1)/t (REFERENCES.md)."""
     par, deeper = ParallelConfig(tp=2), TINY.replace(n_layer=6)
-    per_layer = (tensor_parallel.traffic(deeper, par, BATCH)["all_reduce"]
-                 - tensor_parallel.traffic(TINY, par, BATCH)["all_reduce"]) / 2
+    per_layer = (traffic.tp(deeper, par, BATCH)["all_reduce"]
+                 - traffic.tp(TINY, par, BATCH)["all_reduce"]) / 2
     b, s, h, e, t = BATCH, TINY.seq_len, TINY.d_model, 4, 2
     assert per_layer == 8 * b * s * h * e * (t - 1) / t
 
