@@ -54,12 +54,8 @@ import minipar
 from minipar import comm, data
 from minipar.lessons import demos
 from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.tensor_parallel import (
-    TPGroup,
-    apply_tp,
-    sync_sequence_parallel_grads,
-    vocab_parallel_cross_entropy,
-)
+from minipar.tensor_parallel import (TPGroup, apply_tp, sync_sequence_parallel_grads,
+                                     vocab_parallel_cross_entropy)
 from minipar.train import make_optimizer
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", n_head=8, batch=4, reps=8, warmup=2, launches=2,

@@ -11,14 +11,7 @@ from minipar.launch import WorkerError, WorkerTimeout, launch
 from minipar.lessons import demos
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
-from minipar.planner import (
-           Estimate,
-           NoFeasiblePlan,
-           estimate,
-           explain,
-           format_table,
-           plan,
-)
+from minipar.planner import Estimate, NoFeasiblePlan, estimate, explain, format_table, plan
 from minipar.planner.cluster import Cluster
 from minipar.train import TrainResult, train
 

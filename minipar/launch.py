@@ -37,9 +37,6 @@ import traceback
 import torch
 import torch.distributed as dist
 
-_CONTEXT = None  # the forkserver context, made on first use
-
-
 class WorkerError(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
@@ -116,11 +113,11 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
 
 
 def _forkserver():
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "minipar.launch"])
-    return _CONTEXT
+    """multiprocessing's forkserver context (it keeps the one server a process has), told to preload
+    torch: every launch after the first forks from a server that has imported it once."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "minipar.launch"])
+    return context
 
 
 def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float = 0.5) -> list:

@@ -33,12 +33,8 @@ from minipar.pipeline import schedule
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
 from minipar.precision import DTYPES, LossScaler, MixedPrecision
 from minipar.recompute import apply_recompute
-from minipar.tensor_parallel import (
-    TPGroup,
-    apply_tp,
-    sync_sequence_parallel_grads,
-    vocab_parallel_cross_entropy,
-)
+from minipar.tensor_parallel import (TPGroup, apply_tp, sync_sequence_parallel_grads,
+                                     vocab_parallel_cross_entropy)
 from minipar.zero import Zero3, ZeroOptimizer
 
 

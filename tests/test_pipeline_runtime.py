@@ -8,13 +8,7 @@ from reference import rel_diff
 
 import minipar
 from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.pipeline.runtime import (
-    Chunk,
-    PipelineExecutor,
-    free_unused,
-    message_order,
-    partition,
-)
+from minipar.pipeline.runtime import Chunk, PipelineExecutor, free_unused, message_order, partition
 from minipar.train import make_optimizer
 
 A = collections.namedtuple("A", "op stage microbatch")  # any object with .op .stage .microbatch will do

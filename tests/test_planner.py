@@ -13,15 +13,7 @@ import minipar
 from minipar import memory
 from minipar.config import ParallelConfig
 from minipar.model import GPTConfig
-from minipar.planner import (
-    TERMS,
-    NoFeasiblePlan,
-    candidates,
-    estimate,
-    explain,
-    format_table,
-    plan,
-)
+from minipar.planner import TERMS, NoFeasiblePlan, candidates, estimate, explain, format_table, plan
 from minipar.planner.cluster import Cluster, GiB
 from minipar.planner.gpu_time import Work, fit_efficiency, layer_cost
 

@@ -28,21 +28,13 @@ import html
 import threading
 
 import ipywidgets as w
-import matplotlib.pyplot as plt
 from IPython.display import display
 
-from minipar.config import (
-    COLLECTIVES,
-    DP_MODES,
-    PRECISIONS,
-    RECOMPUTE,
-    SCHEDULES,
-    ParallelConfig,
-)
-from minipar.lessons import explorer_html, viz_pipeline, viz_planner
+from minipar.config import COLLECTIVES, DP_MODES, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
+from minipar.lessons import explorer_html
 from minipar.lessons.explorer_html import KNOBS, SHAPE
 from minipar.model import GPTConfig
-from minipar.planner import estimate, explain, format_table, plan, this_machine
+from minipar.planner import estimate, plan, this_machine
 from minipar.planner.cluster import Cluster
 from minipar.train import train
 
@@ -61,8 +53,6 @@ QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtu
 HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))
 HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small models
                         #   only
-MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds to
-                  #   draw)
 RUN_STEPS, RUN_TIMEOUT = 4, 300
 
 
@@ -80,6 +70,30 @@ def _knob(name: str, control: w.Widget) -> w.Widget:
     return control.add_class(f"minipar-knob-{name}")
 
 
+def _knob_controls(precision: str) -> dict:
+    """One control per ParallelConfig knob (and the micro-batch), in KNOBS order."""
+    small = dict(layout=w.Layout(width="200px"), style=dict(description_width="initial"))
+    return {name: _knob(name, c) for name, c in {
+        "dp": w.BoundedIntText(min=1, max=4096, description="dp", **small),
+        "tp": w.BoundedIntText(min=1, max=64, description="tp", **small),
+        "pp": w.BoundedIntText(min=1, max=512, description="pp", **small),
+        "schedule": w.Dropdown(options=SCHEDULES, description="schedule", **small),
+        "virtual_stages": w.BoundedIntText(min=1, max=16, description="v", **small),
+        "zero": w.Dropdown(options=[0, 1, 2, 3], description="ZeRO", **small),
+        "recompute": w.Dropdown(options=RECOMPUTE, description="recompute", **small),
+        "precision": w.Dropdown(options=PRECISIONS, value=precision, description="precision",
+                                **small),
+        "sequence_parallel": w.Checkbox(description="sequence parallel", indent=False, **small),
+        "micro_batch": w.BoundedIntText(min=1, max=4096, description="micro-batch", **small),
+        "dp_mode": w.Dropdown(options=DP_MODES, value="bucketed", description="DP mode",
+                              **small),
+        "bucket_mb": w.BoundedFloatText(value=25.0, min=0.01, max=1e6,
+                                        description="bucket MiB", **small),
+        "collectives": w.Dropdown(options=COLLECTIVES, description="collectives", **small),
+        "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", indent=False,
+                                  **small)}.items()}
+
+
 class Explorer:
     """The dashboard of `explorer()`. `widget` is the box to display; `estimates` the ranked plan
     (empty when nothing fits: `plan_error` says why), `current` the knobs' estimate (None when they
@@ -93,7 +107,6 @@ class Explorer:
             raise ValueError(f"model must be one of {list(SIZES)} and cluster one of "
                              f"{[*Cluster.PRESETS, THIS]}, "
                              f"got {model!r}, {cluster!r}")
-        small = dict(layout=w.Layout(width="200px"), style=dict(description_width="initial"))
         self.model = w.Dropdown(options=[*SIZES, "custom"], value=model,
                                 description="model").add_class("minipar-model")
         self.shape = {k: w.BoundedIntText(min=1, max=1_000_000, description=k,
@@ -112,25 +125,7 @@ class Explorer:
         self.batch.add_class("minipar-batch")
         self.search = w.ToggleButtons(options=["full", "quick"], value=search, description="search")
         self.pick = w.BoundedIntText(value=1, min=1, max=1, description="load plan #")
-        self.knobs = {name: _knob(name, c) for name, c in {
-            "dp": w.BoundedIntText(min=1, max=4096, description="dp", **small),
-            "tp": w.BoundedIntText(min=1, max=64, description="tp", **small),
-            "pp": w.BoundedIntText(min=1, max=512, description="pp", **small),
-            "schedule": w.Dropdown(options=SCHEDULES, description="schedule", **small),
-            "virtual_stages": w.BoundedIntText(min=1, max=16, description="v", **small),
-            "zero": w.Dropdown(options=[0, 1, 2, 3], description="ZeRO", **small),
-            "recompute": w.Dropdown(options=RECOMPUTE, description="recompute", **small),
-            "precision": w.Dropdown(options=PRECISIONS, value=precision, description="precision",
-                                    **small),
-            "sequence_parallel": w.Checkbox(description="sequence parallel", indent=False, **small),
-            "micro_batch": w.BoundedIntText(min=1, max=4096, description="micro-batch", **small),
-            "dp_mode": w.Dropdown(options=DP_MODES, value="bucketed", description="DP mode",
-                                  **small),
-            "bucket_mb": w.BoundedFloatText(value=25.0, min=0.01, max=1e6,
-                                            description="bucket MiB", **small),
-            "collectives": w.Dropdown(options=COLLECTIVES, description="collectives", **small),
-            "reduce_fp32": w.Checkbox(value=True, description="reduce fp32 grads", indent=False,
-                                      **small)}.items()}
+        self.knobs = _knob_controls(precision)
         self.summary = w.HTML().add_class("minipar-summary")
         self.error_box = w.HTML().add_class("minipar-error")
         self.pin_button = w.Button(description="pin as A", tooltip="keep this layout to compare")
@@ -147,7 +142,14 @@ class Explorer:
         self.error, self.plan_error = None, None
         self.result, self.run_error, self._thread, self._quiet = None, None, None, False
         self._fill_shape(SIZES[model])
-        self.widget = w.VBox([
+        self.widget = self._layout()
+        self._wire()
+        self.replan()
+        self.refresh()
+
+    def _layout(self) -> w.VBox:
+        """The dashboard: inputs, knobs, outputs, top to bottom."""
+        widget = w.VBox([
             w.HTML("<b>Model, cluster, batch</b> (a preset fills the sizes; editing a size makes "
                    "the model custom; "
                    "on this machine <i>nodes</i> counts local ranks)"),
@@ -158,7 +160,10 @@ class Explorer:
             self.summary, self.error_box, w.HBox([self.pin_button, self.ab]), self.plots,
             w.HBox([self.run_button, self.progress]), self.measured,
             w.HTML("<b>The planner's ranking</b> and why each runner-up loses"), self.ranking])
-        self.widget.add_class("minipar-explorer")
+        return widget.add_class("minipar-explorer")
+
+    def _wire(self) -> None:
+        """Every control redraws what it changes."""
         self.model.observe(self._on_model, names="value")
         for c in [*self.shape.values(), self.kind, self.nodes, self.kind2, self.nodes2, self.batch,
                   self.search]:
@@ -168,8 +173,6 @@ class Explorer:
             c.observe(self._on_knob, names="value")
         self.pin_button.on_click(lambda _: (self.pin(), self.refresh()))
         self.run_button.on_click(self._on_run)
-        self.replan()
-        self.refresh()
 
     def _ipython_display_(self):
         display(self.widget)
@@ -298,34 +301,10 @@ class Explorer:
 
     def outputs(self) -> tuple[list, list]:
         """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as
-        text."""
-        ranking = [explorer_html.text(self.plan_error)] if self.plan_error else [explorer_html.text(
-            f"{len(self.estimates)} layouts fit; the fastest "
-            f"ten:\n{format_table(self.estimates, top=10)}\n\n"
-            + explain(self.estimates))]
-        est, best = self.current, (self.estimates or [None])[0]
-        if est is None:
-            return [], ranking
-        bars = {"winner: " + best.label: best} if best else {}
-        if self.pinned is not None:
-            bars["A: " + self.pinned.label] = self.pinned
-        bars["knobs: " + est.label] = est
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2],
-                                         layout="constrained")
-        viz_planner.breakdown(bars, ax=ax_t)
-        viz_planner.memory_stages(est, ax=ax_m, title="memory per GPU of each stage (the knobs)")
-        plots = [explorer_html.png(fig)]
-        ops = 3 if est.par.schedule == "zb-h1" else 2  # F, B (and W) per micro-batch and chunk
-        boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * ops
-        if boxes > MAX_BOXES:
-            plots.append(explorer_html.text(f"(the Gantt chart is left out: {boxes} actions to "
-                                            "draw)"))
-        else:
-            tl = est.timeline
-            plots.append(explorer_html.png(viz_pipeline.gantt(tl, title=f"{est.label}, simulated "
-                                                                        "(s): bubble "
-                                                                        f"{tl.bubble:.1%}")))
-        return plots, ranking
+        text (explorer_html.plots, explorer_html.ranking)."""
+        best = (self.estimates or [None])[0]
+        return (explorer_html.plots(self.current, best, self.pinned),
+                explorer_html.ranking(self.estimates, self.plan_error))
 
     def refresh(self) -> None:
         """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is

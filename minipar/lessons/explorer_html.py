@@ -5,6 +5,9 @@ thread, in any kernel, without a frontend's display machinery.
     summary(est, best)      the estimate as a line of HTML, and as JSON in `data-estimate` (for
                             browser tests)
     ab(a, b)                layout A beside B: step, MFU, memory and each term, with B / A
+    plots(est, best, pinned) the knobs' step-time bars beside the winner's and A's, memory per stage,
+                            the simulated pipeline
+    ranking(estimates)      the plan as a table, and why each runner-up loses
     measured(est, result)   a "Run here" run beside the prediction: memory per rank, the step, the
                             pipeline
 """
@@ -18,12 +21,13 @@ import statistics
 
 import matplotlib.pyplot as plt
 
-from minipar.lessons import viz, viz_pipeline
+from minipar.lessons import viz, viz_pipeline, viz_planner
 from minipar.mesh import Mesh
 from minipar.pipeline import Timeline
-from minipar.planner import TERMS
+from minipar.planner import TERMS, explain, format_table
 from minipar.planner.cluster import GiB
 
+MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds)
 SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
 KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision",
          "sequence_parallel",
@@ -113,3 +117,35 @@ def measured(est, res) -> list[dict]:
         axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
         out.append(png(fig))
     return out
+
+
+def plots(est, best, pinned) -> list[dict]:
+    """The knobs' estimate drawn: its step cut into terms beside the plan's winner and the pinned
+    layout A, its memory per GPU of each stage, and its pipeline as simulated (left out above
+    MAX_BOXES actions)."""
+    if est is None:
+        return []
+    bars = {"winner: " + best.label: best} if best else {}
+    if pinned is not None:
+        bars["A: " + pinned.label] = pinned
+    bars["knobs: " + est.label] = est
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 3.4), width_ratios=[3, 2],
+                                     layout="constrained")
+    viz_planner.breakdown(bars, ax=ax_t)
+    viz_planner.memory_stages(est, ax=ax_m, title="memory per GPU of each stage (the knobs)")
+    out = [png(fig)]
+    ops = 3 if est.par.schedule == "zb-h1" else 2  # F, B (and W) per micro-batch and chunk
+    boxes = est.par.pp * est.par.virtual_stages * max(est.shares) * ops
+    if boxes > MAX_BOXES:
+        return out + [text(f"(the Gantt chart is left out: {boxes} actions to draw)")]
+    tl = est.timeline
+    title = f"{est.label}, simulated (s): bubble {tl.bubble:.1%}"
+    return out + [png(viz_pipeline.gantt(tl, title=title))]
+
+
+def ranking(estimates: list, plan_error: str | None) -> list[dict]:
+    """The planner's ranked layouts (the fastest ten) and `explain`'s reasons, or why none fits."""
+    if plan_error:
+        return [text(plan_error)]
+    return [text(f"{len(estimates)} layouts fit; the fastest ten:\n"
+                 f"{format_table(estimates, top=10)}\n\n" + explain(estimates))]

@@ -8,22 +8,9 @@
     tl = pipeline.simulate(plan, 4, 8, cost={"F": 1, "B": 2})       # tl.bubble, tl.peak_in_flight
     pipeline.to_chrome_trace(tl, "1f1b.json"); minipar.viz.gantt(tl)
 """
-from minipar.pipeline.schedules import (
-                                        SCHEDULES,
-                                        Action,
-                                        cached_schedule,
-                                        check,
-                                        gpipe,
-                                        inputs,
-                                        interleaved_1f1b,
-                                        one_f_one_b,
-                                        rank_of,
-                                        replay,
-                                        schedule,
-                                        stage_of,
-                                        validate,
-                                        zb_h1,
-)
+from minipar.pipeline.schedules import (SCHEDULES, Action, cached_schedule, check, gpipe, inputs,
+                                        interleaved_1f1b, one_f_one_b, rank_of, replay, schedule,
+                                        stage_of, validate, zb_h1)
 from minipar.pipeline.simulate import Timeline, simulate, to_chrome_trace
 
 __all__ = ["SCHEDULES", "Action", "Timeline", "cached_schedule", "check", "gpipe", "inputs",

@@ -14,13 +14,7 @@ search.
 from minipar.planner.calibrate import this_machine
 from minipar.planner.cluster import Cluster, GiB, Link
 from minipar.planner.predict import TERMS, Estimate, estimate
-from minipar.planner.search import (
-           NoFeasiblePlan,
-           candidates,
-           explain,
-           format_table,
-           plan,
-)
+from minipar.planner.search import NoFeasiblePlan, candidates, explain, format_table, plan
 
 __all__ = ["GiB", "TERMS", "Cluster", "Estimate", "Link", "NoFeasiblePlan", "candidates",
            "estimate", "explain",
