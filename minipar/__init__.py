@@ -1,5 +1,5 @@
-"""minipar: the techniques that train large models on many accelerators, from scratch on
-torch.distributed.
+"""minipar: the techniques that train large models on many accelerators,
+from scratch on torch.distributed.
 
     import minipar
     cfg = minipar.GPTConfig.preset("tiny")

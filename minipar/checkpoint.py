@@ -30,8 +30,8 @@ FORMAT = 1
 
 
 def _sources(model, mp):
-    """(name, model parameter, the fp32 tensor the optimizer steps: the master or the parameter
-    itself)."""
+    """(name, model parameter, the fp32 tensor the optimizer steps:
+    the master or the parameter itself)."""
     masters = list(mp.master) if mp is not None and mp.master is not None else None
     for i, (name, p) in enumerate(model.named_parameters()):
         yield name, p, masters[i] if masters else p
@@ -93,8 +93,8 @@ def load(path: str, cfg) -> dict:
 
 def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
     """Fill this rank's optimizer state from the checkpoint's full moments, cut as the rank's
-    parameters are; returns the steps done. (The weights were loaded into the full model
-    already.)"""
+    parameters are; returns the steps done. (The weights were
+    loaded into the full model already.)"""
     cut = {}
     for name, p, source in _sources(model, mp):
         saved = checkpoint["optimizer"].get(name)
@@ -115,13 +115,13 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
 # ----------------------------------------------------------------------------- ZeRO's flat shards
 # 
 # ZeRO-1/2 keep one flat buffer, ZeRO-3 one per unit (module); each rank holds a shard of it, its
-# fp32 master (mixed precision) and AdamW's moments for the pieces of parameters that fall in the
-# shard.
+# fp32 master (mixed precision) and AdamW's moments for the pieces
+# of parameters that fall in the shard.
 
 
 def _flats(zero) -> list:
-    """(layout, shard) of each flat buffer, in parameter order: one for ZeRO-1/2, a unit's each for
-    ZeRO-3."""
+    """(layout, shard) of each flat buffer, in parameter order: one for
+    ZeRO-1/2, a unit's each for ZeRO-3."""
     if isinstance(zero, Zero3):
         return [(unit.layout, unit.mine) for unit in zero.units]
     return [(zero.layout, zero.mine)]
@@ -129,8 +129,8 @@ def _flats(zero) -> list:
 
 def _zero_full_state(zero) -> list[dict]:
     """Each parameter's fp32 weight and AdamW state, whole, in the model's parameter order (a
-    collective: the shards are gathered with the backend's all-gather, not counted as training
-    traffic)."""
+    collective: the shards are gathered with the backend's all-gather,
+    not counted as training traffic)."""
     states = []
     for layout, mine in _flats(zero):
         shards = {"weight": (mine.master if mine.master is not None else mine.params).float()}

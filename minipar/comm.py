@@ -7,8 +7,8 @@ large messages: cut the tensor into N chunks, pass chunks around the ring of N r
 carries the same traffic at the same time, so the time does not grow with N.
 
     reduce-scatter: N-1 steps; at each, every rank sends one chunk to its right neighbour and adds
-                    the chunk it receives from its left one. Afterwards rank r holds the sum of
-                    chunk r.
+                    the chunk it receives from its left one. Afterwards
+                    rank r holds the sum of chunk r.
     all-gather:     N-1 steps of passing the finished chunks on, without adding.
     all-reduce:     reduce-scatter, then all-gather.
 
@@ -16,8 +16,8 @@ Cost per rank, for a tensor of S bytes in a group of N ranks (chunks as `torch.t
 them, so any length works; the uneven remainder moves the figures by at most one element a step):
     reduce-scatter  sends (N-1)/N * S        all-gather (of an S/N-byte input)  sends (N-1)/N * S
     all-reduce      sends 2(N-1)/N * S       broadcast (chain)  sends S, except the last rank: 0
-Time ~ steps * latency + bytes / bandwidth, so the ring is bandwidth-optimal but pays 2(N-1)
-latencies.
+Time ~ steps * latency + bytes / bandwidth, so the ring is
+bandwidth-optimal but pays 2(N-1) latencies.
 Memory: reduce-scatter and all-reduce receive partial sums into (N-1)/N * S of scratch space: fresh
 for each call, or a `Scratch` that the caller owns and passes, which keeps it for the next call;
 nothing else beyond the results.
@@ -62,8 +62,8 @@ def _record(stats: CommStats | None, kind: str, nbytes: int = 0, calls: int = 0)
 
 
 def ring_schedule(n: int, phase: str) -> list[list[tuple[int, int]]]:
-    """For each of the n-1 steps, for each rank, (chunk sent to the right, chunk received from the
-    left).
+    """For each of the n-1 steps, for each rank, (chunk sent to the
+    right, chunk received from the left).
 
     phase "reduce-scatter": rank r receives chunk r at the last step, so it ends owning chunk r.
     phase "all-gather":     rank r starts owning chunk r and passes on what it last received.
@@ -273,8 +273,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, pieces: int = 8,
     return tensor
 
 
-# ----------------------------------------------------------------------------- the backend's, side
-# by side
+# -------------------------------------------------------------------- the backend's, side by side
 
 
 def nominal(stats: CommStats | None, kind: str, n: int, nbytes: int) -> None:

@@ -28,34 +28,34 @@ def _one_of(name: str, value, choices) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = 1                      # data-parallel replicas; each takes global_batch / dp rows (or
-                                     #   dp_shares)
-    tp: int = 1                      # tensor-parallel ranks per layer (Megatron); innermost in the
-                                     #   grid
+    dp: int = 1                      # data-parallel replicas; each takes global_batch
+                                     #   / dp rows (or dp_shares)
+    tp: int = 1                      # tensor-parallel ranks per layer (Megatron);
+                                     #   innermost in the grid
     pp: int = 1                      # pipeline stages
-    zero: int = 0                    # ZeRO stage over the DP group: 0 none, 1 optimizer, 2 +grads,
-                                     #   3 +params
+    zero: int = 0                    # ZeRO stage over the DP group: 0 none, 1
+                                     #   optimizer, 2 +grads, 3 +params
     microbatches: int = 1            # per DP rank: pipeline micro-batches, or accumulation steps
                                      #   when pp = 1
     schedule: str = "1f1b"           # pipeline schedule, one of SCHEDULES
-    virtual_stages: int = 1          # model chunks per pipeline rank (> 1 only for
-                                     #   "interleaved-1f1b")
+    virtual_stages: int = 1          # model chunks per pipeline rank (> 1 only
+                                     #   for "interleaved-1f1b")
     sequence_parallel: bool = False  # shard LayerNorm/dropout activations along the sequence (needs
                                      #   tp > 1)
     precision: str = "fp32"          # "fp32"; "bf16" 16-bit weights, fp32 masters; "fp16" + loss
                                      #   scaling; "pure-bf16" no masters (the contrast)
-    recompute: str = "none"          # activation recomputation: "none", "selective" (attention),
-                                     #   "full"
+    recompute: str = "none"          # activation recomputation: "none", "selective"
+                                     #   (attention), "full"
     dp_mode: str = "bucketed"        # gradient all-reduce: "naive" (one per parameter, after
                                      #   backward) or "bucketed" (overlapped with backward)
     bucket_mb: float = 25.0          # bucket size in MiB for "bucketed" (DDP's default is 25)
-    collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring) or "torch" (the
-                                     #   backend's)
+    collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring)
+                                     #   or "torch" (the backend's)
     reduce_fp32: bool = True         # 16-bit precisions under DP: all-reduce the fp32 master
                                      #   gradients (True) or the 16-bit ones, in buckets (half the
                                      #   bytes, 16-bit sums)
-    stage_layers: tuple | None = None  # layers of each pipeline chunk, in chunk order (pp *
-                                       #   virtual_stages
+    stage_layers: tuple | None = None  # layers of each pipeline chunk, in chunk
+                                       #   order (pp * virtual_stages
                                      #   of them, each >= 1, summing to n_layer): uneven, e.g. the
                                      #   planner's split for stages of different speed; None: as
                                      #   even as possible
@@ -114,8 +114,8 @@ class ParallelConfig:
                              f"got {self.schedule!r}")
 
     def _check_split(self, name: str, length: int, rule: str) -> None:
-        """stage_layers, dp_shares: None, or a tuple (a list is taken as one) of `length` positive
-        integers."""
+        """stage_layers, dp_shares: None, or a tuple (a list is taken as
+        one) of `length` positive integers."""
         value = getattr(self, name)
         if value is None:
             return
@@ -140,8 +140,8 @@ class ParallelConfig:
 
     @property
     def label(self) -> str:
-        """The fields that differ from the defaults, e.g. "dp=2 microbatches=4" ("single process" if
-        none)."""
+        """The fields that differ from the defaults, e.g. "dp=2 microbatches=4"
+        ("single process" if none)."""
         default = ParallelConfig()
         changed = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                    if getattr(self, f.name) != getattr(default, f.name)]
@@ -151,8 +151,8 @@ class ParallelConfig:
         return dataclasses.replace(self, **changes)
 
     def dp_rows(self, global_batch: int) -> list[int]:
-        """Rows of the global batch each DP rank takes a step: dp_shares, or global_batch / dp
-        each."""
+        """Rows of the global batch each DP rank takes a step: dp_shares,
+        or global_batch / dp each."""
         return list(self.dp_shares) if self.dp_shares else [global_batch // self.dp] * self.dp
 
     def check(self, cfg, global_batch: int) -> None:
@@ -180,8 +180,8 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.stage_layers {self.stage_layers} must sum to the "
                              "model's n_layer "
                              f"({cfg.n_layer}), not {sum(self.stage_layers)}")
-        if self.pp > 1:  # the schedule's own rules (micro-batches a schedule needs...), named for
-                         #   this config
+        if self.pp > 1:  # the schedule's own rules (micro-batches a schedule
+                         #   needs...), named for this config
             from minipar.pipeline.schedules import validate
             try:
                 validate(self.schedule, self.pp, self.microbatches, self.virtual_stages)

@@ -48,8 +48,8 @@ def corpus_tokens() -> torch.Tensor:
 
 
 def global_batch(source: str, step: int, batch: int, seq_len: int, vocab_size: int, seed: int = 0):
-    """(inputs, targets) of step `step`: two int64 tensors (batch, seq_len), targets shifted by
-    one."""
+    """(inputs, targets) of step `step`: two int64 tensors (batch,
+    seq_len), targets shifted by one."""
     if source not in SOURCES:
         raise ValueError(f"data must be one of {SOURCES}, got {source!r}")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -67,8 +67,8 @@ def global_batch(source: str, step: int, batch: int, seq_len: int, vocab_size: i
 
 
 def shard(rows: torch.Tensor, dp_rank: int, dp: int, microbatch: int = 0, microbatches: int = 1):
-    """This DP rank's micro-batch `microbatch` of a global batch: contiguous rows, equal sizes, a
-    copy."""
+    """This DP rank's micro-batch `microbatch` of a global batch:
+    contiguous rows, equal sizes, a copy."""
     if rows.shape[0] % (dp * microbatches):
         raise ValueError(f"global batch {rows.shape[0]} does not divide by dp*microbatches = "
                          f"{dp * microbatches}")
@@ -80,8 +80,8 @@ def shard(rows: torch.Tensor, dp_rank: int, dp: int, microbatch: int = 0, microb
 def shard_rows(rows: torch.Tensor, start: int, count: int, microbatch: int = 0,
                microbatches: int = 1):
     """Uneven data parallelism (ParallelConfig.dp_shares): micro-batch `microbatch` of the `count`
-    rows from `start` that one DP rank takes, cut into `microbatches` equal micro-batches; a
-    copy."""
+    rows from `start` that one DP rank takes, cut into `microbatches`
+    equal micro-batches; a copy."""
     if count % microbatches or start < 0 or start + count > rows.shape[0]:
         raise ValueError(f"rows [{start}, {start + count}) of a batch of {rows.shape[0]} do not "
                          "cut into "

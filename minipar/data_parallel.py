@@ -8,8 +8,8 @@ Simplest first, two classes:
                reverse order, the order backward produces their gradients). A full bucket is
                all-reduced asynchronously while backward goes on with the earlier layers; the
                optimizer step waits for every bucket.
-  accumulation inside `no_sync()` the hooks do nothing: with M micro-batches, gradients add up
-  locally
+  accumulation inside `no_sync()` the hooks do nothing: with M
+  micro-batches, gradients add up locally
                and only the last micro-step communicates.
 
 The all-reduce is minipar's ring (`comm.all_reduce`, run on a communication thread so it overlaps)
@@ -36,8 +36,8 @@ from minipar import comm
 
 
 class _Bucket:
-    """A flat gradient buffer for a run of parameters, and how many of their gradients have
-    arrived."""
+    """A flat gradient buffer for a run of parameters, and how many
+    of their gradients have arrived."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
@@ -69,8 +69,8 @@ class DataParallelNaive:
         self.size = dist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sync = True
-        self.timeline: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter
-                                                            #   seconds
+        self.timeline: list[tuple[str, float, float]] = []  # (what, start, end),
+                                                            #   perf_counter seconds
         self.buckets: list[_Bucket] = []
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
@@ -94,8 +94,8 @@ class DataParallelNaive:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally inside the block: no communication (gradient
-        accumulation)."""
+        """Accumulate gradients locally inside the block: no communication
+        (gradient accumulation)."""
         self.sync = False
         try:
             yield
@@ -133,8 +133,8 @@ class DataParallelNaive:
 class DataParallelBucket(DataParallelNaive):
     """DataParallelNaive, bucketed and overlapped with backward (PyTorch DDP's design): a hook on
     each parameter copies its gradient into a bucket of about `bucket_bytes`, and a full bucket's
-    all-reduce starts while backward goes on. `finish()` waits for the buckets and writes the
-    averages back."""
+    all-reduce starts while backward goes on. `finish()` waits for the
+    buckets and writes the averages back."""
 
     def __init__(self, model: torch.nn.Module, group=None, bucket_bytes: int = 25 * 2**20,
                  collectives: str = "minipar", stats: comm.CommStats | None = None):
@@ -153,8 +153,8 @@ class DataParallelBucket(DataParallelNaive):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self._grad_ready(b, i))
 
     def _grad_ready(self, b: int, i: int) -> None:
-        """Hook: parameter i of bucket b has its gradient; launch every bucket that is full, in
-        order."""
+        """Hook: parameter i of bucket b has its gradient; launch every
+        bucket that is full, in order."""
         if not self.sync:
             return
         bucket = self.buckets[b]

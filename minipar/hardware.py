@@ -20,8 +20,8 @@ GPU_PEAKS = {  # dense tensor-core peaks, FLOP/s, for bf16/fp16 (fp32 runs as TF
 
 @functools.lru_cache(maxsize=None)
 def peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """Peak FLOP/s of one `device` ("cpu" or "cuda") for matmuls in `dtype`: published, else
-    measured."""
+    """Peak FLOP/s of one `device` ("cpu" or "cuda") for matmuls in
+    `dtype`: published, else measured."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
         for key, peak in GPU_PEAKS.items():

@@ -1,8 +1,8 @@
 """Start N worker processes with torch.distributed initialised, and bring back what they return.
 
 `launch(fn, world_size, *args)` runs `fn(*args)` on every rank and returns the results by rank. It
-is what notebooks, scripts and tests call, so it takes care of what makes multi-process code
-painful:
+is what notebooks, scripts and tests call, so it takes care of
+what makes multi-process code painful:
 
 - backend: gloo on CPU, NCCL when there is one GPU per rank;
 - rendezvous: the caller hosts the TCPStore on a free port of 127.0.0.1 (no port race);
@@ -46,8 +46,8 @@ class WorkerTimeout(TimeoutError):
 
 
 def pick_backend(backend: str, world_size: int) -> str:
-    """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and a job of `world_size` local
-    ranks."""
+    """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and a
+    job of `world_size` local ranks."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
@@ -60,8 +60,8 @@ def pick_backend(backend: str, world_size: int) -> str:
 
 
 def torchrun_rank() -> int | None:
-    """This process's rank in a torchrun job (torchrun sets RANK and WORLD_SIZE), None outside
-    one."""
+    """This process's rank in a torchrun job (torchrun sets RANK
+    and WORLD_SIZE), None outside one."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"])
     return None
@@ -198,8 +198,8 @@ class _Output:
 
 
 def _wait(conns: dict, outputs: dict, timeout: float) -> list:
-    """Wait on result pipes and open output pipes; echo output that arrives; return ready
-    results."""
+    """Wait on result pipes and open output pipes; echo output that
+    arrives; return ready results."""
     live = {o.conn: o for o in outputs.values() if o.open}
     ready = mp.connection.wait([*conns, *live], timeout=timeout)
     for conn in ready:
@@ -209,8 +209,8 @@ def _wait(conns: dict, outputs: dict, timeout: float) -> list:
 
 
 def _drain(outputs: dict, wait: float = 0.2) -> None:
-    """Echo what the ranks still have to say, for up to `wait` seconds (a failing rank's last
-    words)."""
+    """Echo what the ranks still have to say, for up to `wait` seconds
+    (a failing rank's last words)."""
     end = time.monotonic() + wait
     while any(o.open for o in outputs.values()) and time.monotonic() < end:
         _wait({}, outputs, end - time.monotonic())

@@ -1,5 +1,5 @@
-"""Memory per rank, by category: params, grads, optimizer, activations, comm; measured and
-predicted.
+"""Memory per rank, by category: params, grads, optimizer,
+activations, comm; measured and predicted.
 
 Persistent state is counted exactly, as the bytes of the tensors that hold it. Activations are what
 autograd saves for the backward pass: `ActivationMeter` watches every tensor saved during forward
@@ -62,10 +62,10 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()), is not an
-                                                  #   activation
-        if isinstance(base, torch.nn.Parameter):  # (a pipeline stage's input is a leaf, and an
-                                                  #   activation)
+        base = t if t._base is None else t._base  # a parameter, or a view of one (W.t()),
+                                                  #   is not an activation
+        if isinstance(base, torch.nn.Parameter):  # (a pipeline stage's input is a leaf,
+                                                  #   and an activation)
             return t
         if ptr not in self.live:
             self.live[ptr] = [0, storage.nbytes()]
@@ -100,8 +100,8 @@ class ActivationMeter:
 
 
 def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0) -> dict[str, int]:
-    """A rank's memory by category, in bytes, from the tensors it holds in each (each storage
-    once)."""
+    """A rank's memory by category, in bytes, from the tensors it
+    holds in each (each storage once)."""
     return {
         "params": tensor_bytes(params),
         "grads": tensor_bytes(grads),
@@ -116,12 +116,12 @@ def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0)
 # The analytic model: the same categories, from the configuration alone, for one rank. Model states
 # follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3 and 5): Psi parameters at (params, grads,
 # optimizer) bytes each, the stage deciding which of the three is divided by N_d. Activations follow
-# Korthikanti et al. 2022 (Table 2), adjusted to what minipar's GPT really saves (see
-# `activations`).
+# Korthikanti et al. 2022 (Table 2), adjusted to what minipar's
+# GPT really saves (see `activations`).
 
 FP32 = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights and grads, two fp32 Adam moments
-MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32 master + 2
-                                                     #   moments
+MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32
+                                                     #   master + 2 moments
 PURE_BF16 = {"params": 2, "grads": 2, "optimizer": 4}  # no master: two bf16 moments
 
 
@@ -167,8 +167,8 @@ def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
 
       tok_emb V h/t | pos_emb s h | block (12 h^2 + 6 h)/t + 6 h each | ln_f 2 h | head (V h + V)/t
 
-    The one parameter formula: every count below is a sum of these (t = 1, whole model:
-    cfg.num_params)."""
+    The one parameter formula: every count below is a sum of these (t
+    = 1, whole model: cfg.num_params)."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     units = [V * h // t, s * h] if first else []
     units += [(12 * h * h + 6 * h) // t + 6 * h] * layers
@@ -191,8 +191,8 @@ def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int) -> list[in
 
 
 def flat_shard(total: int, n: int, rank: int) -> tuple[int, int]:
-    """(shard length, real elements `rank` owns) of a flat buffer padded to n equal shards
-    (zero.py)."""
+    """(shard length, real elements `rank` owns) of a flat buffer
+    padded to n equal shards (zero.py)."""
     shard = -(-total // n)
     return shard, max(0, min(total, (rank + 1) * shard) - rank * shard)
 
@@ -305,8 +305,8 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str,
     n, stage, psi = par.dp, par.zero, sum(sizes)
     shards = [flat_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
-    if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision reduces its
-                      #   masters' instead)
+    if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision
+                      #   reduces its masters' instead)
         # else the masters'
         own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32
         bucketed = n > 1 and par.dp_mode == "bucketed" and own_grads

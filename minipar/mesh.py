@@ -1,5 +1,5 @@
-"""The rank grid: which global rank does what along the dp, tp and pp axes, and their process
-groups.
+"""The rank grid: which global rank does what along the dp, tp
+and pp axes, and their process groups.
 
 The world of dp * tp * pp ranks is laid out as a (pp, dp, tp) array, tp innermost:
 
@@ -76,8 +76,8 @@ class Mesh:
         return rank_at(self.dp, self.tp, dp_rank, tp_rank, pp_rank)
 
     def axis_groups(self, axis: str) -> list[list[int]]:
-        """All groups of global ranks along `axis` ("dp", "tp" or "pp"): the ranks that differ only
-        there."""
+        """All groups of global ranks along `axis` ("dp", "tp" or "pp"):
+        the ranks that differ only there."""
         groups = {}
         for r in range(self.world):
             c = self.coords(r)
@@ -99,8 +99,8 @@ class Mesh:
 
     @classmethod
     def build(cls, dp: int = 1, tp: int = 1, pp: int = 1) -> "Mesh":
-        """The grid over the initialised world, with this rank's groups (collective: every rank
-        calls it)."""
+        """The grid over the initialised world, with this rank's groups
+        (collective: every rank calls it)."""
         mesh = cls(dp, tp, pp, rank=dist.get_rank() if dist.is_initialized() else 0)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != mesh.world:

@@ -10,8 +10,8 @@ rounding into updates that differ between layouts (Whisper drops it for the same
 
 Size, with h = d_model, l = n_layer, V = vocab_size, s = seq_len (biases and LayerNorms included):
     parameters  P = 12 l h^2 + 12 l h + 2 V h + s h + 2 h + V      (`GPTConfig.num_params`)
-    FLOPs per token, forward + backward, no recomputation (Korthikanti et al. 2022, eq. 7, per
-    token):
+    FLOPs per token, forward + backward, no recomputation (Korthikanti
+    et al. 2022, eq. 7, per token):
                 72 l h^2 (1 + s/(6h) + V/(12 l h))                 (`GPTConfig.flops_per_token`)
 This file knows nothing about ranks; parallelism is applied from outside.
 """
@@ -90,8 +90,8 @@ class CausalSelfAttention(nn.Module):
                    for lin in (self.q, self.k, self.v))
         return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))  # (B, T, h)
 
-    def core(self, q, k, v):  # (B, nh, T, hd) each -> (B, nh, T, hd): causal softmax(q k^T /
-                              #   sqrt(hd)) v
+    def core(self, q, k, v):  # (B, nh, T, hd) each -> (B, nh, T, hd): causal
+                              #   softmax(q k^T / sqrt(hd)) v
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
 

@@ -2,12 +2,11 @@
 
 `parallelize` applies each technique from outside the model, in this order, and the order matters:
 
-  1. tensor parallelism  cuts every matrix of the full model. It goes first: it replaces modules,
-     and
-                         everything after holds references to the modules and parameters it leaves.
-  2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest, so
-     the
-                         steps below see only this rank's parameters.
+  1. tensor parallelism  cuts every matrix of the full model. It goes first: it replaces
+                         modules, and everything after holds references to the modules and
+                         parameters it leaves.
+  2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest,
+                         so the steps below see only this rank's parameters.
   3. recomputation       wraps the blocks this rank holds (their forward, or their attention core).
   4. precision, ZeRO, DP cast the parameters to 16 bits and keep fp32 masters (`apply_precision`),
                          or shard them into flat buffers (`apply_zero`), or hook their gradients
@@ -44,8 +43,8 @@ class Parallel:
     `loss_fn`), then `sync_and_step()`."""
     model: torch.nn.Module            # this rank's share of the GPT (names as in GPT)
     optimizer: object                 # AdamW, or a ZeRO optimizer that also reduces the gradients
-    mp: MixedPrecision                # autocast, loss scaling, fp32 masters (unless ZeRO keeps
-                                      #   them)
+    mp: MixedPrecision                # autocast, loss scaling, fp32 masters
+                                      #   (unless ZeRO keeps them)
     loss_fn: object                   # (logits, targets) -> mean loss; vocab-parallel with tp > 1
     tp: TPGroup | None = None
     dp: DataParallelNaive | None = None       # reduces the model's gradients (dp > 1, no ZeRO)
@@ -103,8 +102,8 @@ def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, me
              stats: CommStats | None) -> tuple[DataParallelNaive | None, DataParallelNaive | None]:
     """(dp, masters): what averages the gradients over the DP group, for par.dp > 1. dp reduces the
     model's own gradients (par.dp_mode: DataParallelNaive or DataParallelBucket); masters, under
-    mixed precision with par.reduce_fp32, the fp32 master gradients instead, an all-reduce per
-    tensor."""
+    mixed precision with par.reduce_fp32, the fp32 master gradients
+    instead, an all-reduce per tensor."""
     if par.dp == 1:
         return None, None
     if mp.master is not None and par.reduce_fp32:
@@ -129,7 +128,6 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
     if par.tp > 1:                                                          # 1. tensor parallelism
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives, stats)
         model = apply_tp(model, tp)
-        # noqa: E731
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
     if par.pp > 1:                                                          # 2. pipeline stages
         chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages,
@@ -153,8 +151,8 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
     pipe = None
     # 5. the pipeline's executor
     if par.pp > 1:
-        # this DP rank's micro-batch: with uneven dp_shares the replicas' pipelines carry different
-        # b
+        # this DP rank's micro-batch: with uneven dp_shares the
+        # replicas' pipelines carry different b
         rows = par.dp_rows(global_batch)[mesh.dp_rank] // par.microbatches
         seq = cfg.seq_len // (par.tp if par.sequence_parallel else 1)
         plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)

@@ -1,5 +1,5 @@
-"""Mixed precision: compute in 16 bits, update in 32 (Micikevicius et al. 2018, "Mixed Precision
-Training").
+"""Mixed precision: compute in 16 bits, update in 32 (Micikevicius et
+al. 2018, "Mixed Precision Training").
 
 Forward and backward run on 16-bit weights (bf16 or fp16: half the bytes to move, the fast matmul
 units), while the optimizer updates an fp32 *master* copy of every weight, because an update much
@@ -50,8 +50,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 class LossScaler:
     """Dynamic loss scaling with torch.amp.GradScaler's defaults: multiply the loss by `scale`; on
     an overflow skip the step and multiply the scale by `backoff`, after `growth_interval` good
-    steps in a row multiply it by `growth`. The scale settles just below the largest one that does
-    not overflow."""
+    steps in a row multiply it by `growth`. The scale settles just below
+    the largest one that does not overflow."""
 
     def __init__(self, scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
                  growth_interval: int = 2000):
@@ -71,8 +71,8 @@ class LossScaler:
 
 
 class MixedPrecision:
-    """Puts `model` in `precision` (in place) and keeps what the optimizer steps; see the module
-    docstring.
+    """Puts `model` in `precision` (in place) and keeps what the
+    optimizer steps; see the module docstring.
 
     A training step:
         mp = MixedPrecision(model, "bf16")
@@ -87,15 +87,15 @@ class MixedPrecision:
                  growth_interval: int = 2000, masters: bool = True,
                  scaler: LossScaler | None = None):
         """masters=False: someone else keeps the fp32 masters (ZeRO's shards); scaler: fp16's loss
-        scaler when it is shared with such an optimizer (else one is made from init_scale and
-        growth_interval)."""
+        scaler when it is shared with such an optimizer (else one is made
+        from init_scale and growth_interval)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.model, self.precision, self.dtype = model, precision, DTYPES[precision]
         self.params = list(model.parameters())
         self.device_type = self.params[0].device.type
-        mixed = precision in ("bf16", "fp16") and masters  # masters=False: someone else keeps them
-                                                           #   (ZeRO)
+        mixed = precision in ("bf16", "fp16") and masters  # masters=False: someone else
+                                                           #   keeps them (ZeRO)
         # fp32 copies made before the cast, so the masters start from the exact fp32 initialisation
         self.master = nn.ParameterList(nn.Parameter(p.detach().to(torch.float32, copy=True))
                                        for p in self.params) if mixed else None
@@ -111,8 +111,8 @@ class MixedPrecision:
 
     def autocast(self):
         """The forward's context: torch.autocast in the 16-bit dtype (ops autocast keeps in fp32
-        stay there), nothing for fp32. The loss (minipar's cross_entropy) is computed in fp32 either
-        way."""
+        stay there), nothing for fp32. The loss (minipar's cross_entropy)
+        is computed in fp32 either way."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -148,15 +148,15 @@ class MixedPrecision:
 
     @torch.no_grad()
     def master_to_model(self) -> None:
-        """Round the updated fp32 masters into the 16-bit model weights (to nearest, ties to
-        even)."""
+        """Round the updated fp32 masters into the 16-bit model weights
+        (to nearest, ties to even)."""
         for p, m in zip(self.params, self.master):
             p.copy_(m)
 
     def step(self, optimizer, reduce=None) -> bool:
         """grads_to_master(reduce), optimizer.step() unless fp16 overflowed, master_to_model;
-        returns whether it stepped. The fp32 master grads are freed after the update: only the
-        model's persist."""
+        returns whether it stepped. The fp32 master grads are freed after
+        the update: only the model's persist."""
         took = self.grads_to_master(reduce)
         if took:
             optimizer.step()
@@ -174,8 +174,8 @@ class MixedPrecision:
         return list(self.params)
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """The model's grads held now: 16-bit, except in fp32 ("grads"; after backward, before a
-        step)."""
+        """The model's grads held now: 16-bit, except in fp32 ("grads";
+        after backward, before a step)."""
         return [p.grad for p in self.params if p.grad is not None]
 
     def master_tensors(self) -> list[torch.Tensor]:

@@ -6,8 +6,8 @@ recompute the rest in backward; Korthikanti et al. 2022 choose what to recompute
     "none"       every layer keeps what its backward needs        s b h (34 + 5 a s/h) bytes a
                  layer, 16-bit
     "full"       a layer keeps only its input; backward first runs its forward again
-                                                                  2 s b h a layer; + one forward (~
-                                                                  +33% FLOPs)
+                                                                  2 s b h a layer; + one forward
+                                                                  (~ +33% FLOPs)
     "selective"  recompute the attention core, softmax(q k^T) v: its a s^2 b-sized matrices are most
                  of the
                  memory and little of the FLOPs                   s b h 34 a layer; + 2 a s^2 b h...
@@ -15,8 +15,8 @@ recompute the rest in backward; Korthikanti et al. 2022 choose what to recompute
 
 With F.scaled_dot_product_attention's fused kernel (FlashAttention, Dao et al. 2022, and its CPU
 version), the attention matrix is never stored: the kernel already recomputes it in backward. So in
-minipar "selective" saves only the kernel's output and log-sum-exp (4 a s b bytes a layer, fp32) —
-the
+minipar "selective" saves only the kernel's output and log-sum-exp
+(4 a s b bytes a layer, fp32) — the
 lesson: fused attention is selective recomputation built in. Both modes use
 `torch.utils.checkpoint` (non-reentrant): the wrapped function's inputs are saved, its inside is
 not. Per rank and layer, with e bytes an element and t tensor-parallel ranks (cut by t with SP):
@@ -40,8 +40,8 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     for block in model.blocks:
         if not isinstance(block, nn.Module) or not hasattr(block, "attn"):
             continue  # a block another pipeline rank holds (nn.Identity here)
-        if mode == "full":  # an instance attribute shadows the method: module hooks still run
-                            #   around it
+        if mode == "full":  # an instance attribute shadows the method: module
+                            #   hooks still run around it
             block.forward = partial(checkpoint, type(block).forward.__get__(block),
                                     use_reentrant=False)
         elif mode == "selective":

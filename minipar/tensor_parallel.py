@@ -14,19 +14,19 @@ output projection row-parallel. Two conjugate operators mark where the ranks mee
 
 The token embedding is cut by vocabulary rows (each rank looks up the ids it owns, zeros elsewhere,
 g sums), the head by vocabulary columns, and the cross-entropy works on those logit slices: the max
-and the sum of exponentials are reduced across the group, so the full logits never exist on any
-rank.
+and the sum of exponentials are reduced across the group, so the
+full logits never exist on any rank.
 
 Sequence parallelism (Korthikanti et al. 2022) cuts what lies outside the regions, LayerNorms and
 the residual stream, along the sequence. f becomes an all-gather along the sequence (backward: a
 reduce-scatter) and g a reduce-scatter (backward: an all-gather): the same bytes, since an
 all-reduce is a reduce-scatter plus an all-gather. A column-parallel matmul keeps its input as the
 sequence shard and gathers it again in backward (sec. 4.2.2). Parameters used on a shard
-(LayerNorms, the row-parallel biases, the positions) get partial gradients, summed over the group
-after backward.
+(LayerNorms, the row-parallel biases, the positions) get partial gradients,
+summed over the group after backward.
 
-Per rank, t ranks, l layers, h hidden, a heads, V vocabulary, b s tokens per micro-batch, e bytes
-each:
+Per rank, t ranks, l layers, h hidden, a heads, V vocabulary, b
+s tokens per micro-batch, e bytes each:
     parameters   (12 l h^2 + 6 l h + 2 V h + V) / t  +  6 l h + s h + 2 h      (`memory.tp_params`)
     forward      2 l + 1 all-reduces of b s h e (2 a layer, 1 after the embedding)
     backward     2 l + 1 all-reduces of b s h e (2 a layer, 1 before the head)
@@ -76,15 +76,15 @@ class TPGroup:
         return comm.implementation(self.collectives, self.stats, self.scratch)
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
-        """Leave a parallel region: g (all-reduce), or with SP a reduce-scatter along the
-        sequence."""
+        """Leave a parallel region: g (all-reduce), or with SP a
+        reduce-scatter along the sequence."""
         if self.sequence_parallel:
             return _ReduceScatterSequence.apply(y, self)
         return _ReduceFromTP.apply(y, self)
 
 
-# ----------------------------------------------------------------------------- the conjugate
-# operators
+# -----------------------------------------------------------------------------
+# the conjugate operators
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -101,8 +101,8 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (in place: the row-parallel matmul's output is not kept), identity
-    backward."""
+    """g: all-reduce forward (in place: the row-parallel matmul's output
+    is not kept), identity backward."""
 
     @staticmethod
     def forward(ctx, y, tp):
@@ -168,8 +168,8 @@ class _GatherThenLinears(torch.autograd.Function):
 
 
 def column_parallel(x: torch.Tensor, linears: list, tp: TPGroup) -> list[torch.Tensor]:
-    """Enter a region and apply the column-parallel `linears` to its one input: f, then the
-    matmuls."""
+    """Enter a region and apply the column-parallel `linears` to its
+    one input: f, then the matmuls."""
     if tp.sequence_parallel:
         return list(_GatherThenLinears.apply(x, tp,
                                              *(t for lin in linears
@@ -182,8 +182,8 @@ def column_parallel(x: torch.Tensor, linears: list, tp: TPGroup) -> list[torch.T
 
 
 def _shard(param: torch.Tensor | None, dim: int, tp: TPGroup) -> nn.Parameter | None:
-    """This rank's block of a full parameter, cut along `dim` (Megatron's `partition_dim`
-    attribute)."""
+    """This rank's block of a full parameter, cut along `dim` (Megatron's
+    `partition_dim` attribute)."""
     if param is None:
         return None
     # as block_of cuts
@@ -193,8 +193,8 @@ def _shard(param: torch.Tensor | None, dim: int, tp: TPGroup) -> nn.Parameter | 
 
 
 def _replicated(param: nn.Parameter, tp: TPGroup) -> nn.Parameter:
-    """A parameter every rank holds whole; with SP, each uses it on its shard: its gradient is
-    partial."""
+    """A parameter every rank holds whole; with SP, each uses it on
+    its shard: its gradient is partial."""
     param.sequence_partial = tp.sequence_parallel
     return param
 
@@ -238,8 +238,8 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention on a/t heads: q, k, v column-parallel (one f for the three), proj
-    row-parallel."""
+    """Causal self-attention on a/t heads: q, k, v column-parallel (one
+    f for the three), proj row-parallel."""
 
     def __init__(self, attn: CausalSelfAttention, tp: TPGroup):
         super().__init__()
@@ -258,8 +258,8 @@ class ParallelAttention(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds the rows of the ids [r V/t, (r+1) V/t): it looks up those, zeros the rest, g
-    sums."""
+    """Rank r holds the rows of the ids [r V/t, (r+1) V/t): it looks
+    up those, zeros the rest, g sums."""
 
     def __init__(self, emb: nn.Embedding, tp: TPGroup):
         super().__init__()
@@ -285,8 +285,8 @@ class SequenceShardedPositions(nn.Module):
         return F.embedding(positions.tensor_split(self.tp.size)[self.tp.rank], self.weight)
 
 
-# ----------------------------------------------------------------------------- the vocab-parallel
-# loss
+# -----------------------------------------------------------------------------
+# the vocab-parallel loss
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -357,8 +357,8 @@ def apply_tp(model: GPT, tp: TPGroup) -> GPT:
 
 
 def sync_sequence_parallel_grads(model: nn.Module, tp: TPGroup) -> None:
-    """With SP, sum the partial gradients of the shard-used parameters over the group: one
-    all-reduce."""
+    """With SP, sum the partial gradients of the shard-used parameters
+    over the group: one all-reduce."""
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_partial", False)
              and p.grad is not None]
     if not grads:
@@ -369,15 +369,15 @@ def sync_sequence_parallel_grads(model: nn.Module, tp: TPGroup) -> None:
 
 
 def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The part of a full tensor (a weight, an Adam moment) that `param` holds: its block, or all of
-    it."""
+    """The part of a full tensor (a weight, an Adam moment) that `param`
+    holds: its block, or all of it."""
     return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param,
                                                                                "tp_dim") else full
 
 
 def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The full tensor from every rank's block of it, cut as `param` is (a collective), on the
-    CPU."""
+    """The full tensor from every rank's block of it, cut as `param`
+    is (a collective), on the CPU."""
     if tp is None or not hasattr(param, "tp_dim"):
         return tensor.detach().cpu().clone()
     parts = [torch.empty_like(tensor) for _ in range(tp.size)]

@@ -43,12 +43,12 @@ class TrainResult:
     losses: list[float]                 # global mean loss of each step
     step_times: list[float]             # seconds per step (rank 0)
     tokens_per_s: float                 # global tokens per second, median step
-    mfu: float                          # model FLOP/s over the peak of the devices used, median
-                                        #   step
+    mfu: float                          # model FLOP/s over the peak of the
+                                        #   devices used, median step
     peak_memory: list[dict]             # by rank: {category: bytes}, measured (on CUDA also
                                         #   "cuda_max_allocated", the allocator's peak, to compare)
-    predicted_memory: list[dict]        # by rank: {category: bytes}, memory.predict's analytic
-                                        #   model
+    predicted_memory: list[dict]        # by rank: {category: bytes}, memory.predict's
+                                        #   analytic model
     comm_bytes: list[dict]              # by rank: {collective or p2p kind: bytes sent}
     comm_calls: list[dict]              # by rank: {collective kind: calls made}
     # by rank: (what, start, end) in
@@ -98,8 +98,8 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if data not in dataset.SOURCES:
         raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
-    pick_backend(backend, par.world)  # a world larger than the devices fails here, before any
-                                      #   process
+    pick_backend(backend, par.world)  # a world larger than the devices fails
+                                      #   here, before any process
     # a wrong file fails here too
     done = checkpoint.load(resume, cfg)["steps_done"] if resume else 0
     if done >= steps:
@@ -129,8 +129,8 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
 
 
 def _merge(ranks: list[RankResult], cfg, par, global_batch: int) -> TrainResult:
-    """Every rank's RankResult as one TrainResult: rank 0's losses and times, every rank's
-    memory."""
+    """Every rank's RankResult as one TrainResult: rank 0's losses
+    and times, every rank's memory."""
     steady = ranks[0].step_times[1:] or ranks[0].step_times
     step = statistics.median(steady)
     # MFU's denominator: the peak of the devices the job ran on. Local CPU ranks share one CPU, so
@@ -156,13 +156,13 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
 
     report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
     after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
-    pipeline action) with the seconds it took: a hook for demonstrations (demos_hetero's
-    throttle)."""
+    pipeline action) with the seconds it took: a hook for demonstrations
+    (demos_hetero's throttle)."""
     device = device or _device()
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)  # the full model on every rank, then cut: every layout trains the
-                                 #   same one
+    model = GPT(cfg).to(device)  # the full model on every rank, then cut: every
+                                 #   layout trains the same one
     resumed = checkpoint.load(resume, cfg) if resume else None
     run = parallelize(model, par, mesh, global_batch=global_batch, lr=lr, weight_decay=weight_decay,
                       stats=stats, after_compute=after_compute, resumed=resumed)
@@ -269,8 +269,8 @@ def _final_weights(run: Parallel, mesh) -> dict:
 
 
 def _predicted(cfg, par, global_batch) -> list[dict] | None:
-    """memory.predict for every rank, where the model covers the layout (all but ZeRO-3 with tp or
-    pp)."""
+    """memory.predict for every rank, where the model covers the layout
+    (all but ZeRO-3 with tp or pp)."""
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     try:  # ZeRO's shard is the rank's place in its DP group
         return [memory.predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank)
@@ -291,8 +291,8 @@ def _measure(run: Parallel) -> dict[str, int]:
 
 
 def _accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None) -> float:
-    """Forward and backward of this rank's micro-batches one after the other; returns the summed
-    loss.
+    """Forward and backward of this rank's micro-batches one after
+    the other; returns the summed loss.
     rows: `_rows`; the backward runs on loss * weight (see `_rows`)."""
     start, count, weight = rows
     mp, dp, loss_sum = run.mp, run.dp, 0.0

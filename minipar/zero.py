@@ -109,8 +109,8 @@ class _Shard:
         self.optimizer, self.pieces = layout.adamw(updated, lr, weight_decay, betas)
 
     def update(self, loss_scale: float = 1.0) -> None:
-        """AdamW on the shard (with fp32 gradients when there are masters), then round into
-        params."""
+        """AdamW on the shard (with fp32 gradients when there are
+        masters), then round into params."""
         grads = self.grads.float() if self.master is not None else self.grads  # transient fp32 copy
         if loss_scale != 1.0:
             grads = grads / loss_scale
@@ -161,8 +161,8 @@ def _all_gather(shard: torch.Tensor, group, ops: comm.Collectives) -> torch.Tens
 
 
 class ZeroOptimizer:
-    """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after backward (it syncs gradients
-    too).
+    """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after
+    backward (it syncs gradients too).
 
     dtype, master: the parameters' dtype, and whether to keep fp32 master shards (mixed precision);
     scaler: fp16's LossScaler, whose scale multiplied the loss (None otherwise); stats: the
@@ -207,8 +207,8 @@ class ZeroOptimizer:
         self.mine.grads.zero_()
 
     def state_tensors(self):
-        """The optimizer state this rank holds: master shard, moments and step counters of its
-        shard."""
+        """The optimizer state this rank holds: master shard, moments
+        and step counters of its shard."""
         return self.mine.state_tensors()
 
     def grad_tensors(self):
@@ -368,8 +368,8 @@ class Zero3:
                                           device=unit.mine.params.device)
 
     def gather_all(self) -> None:
-        """Gather every unit (collective), e.g. to read the full weights; the next forward frees
-        them."""
+        """Gather every unit (collective), e.g. to read the full weights;
+        the next forward frees them."""
         for i in range(len(self.units)):
             self._gather(i)
 

@@ -1,5 +1,5 @@
-"""What only the notebooks use: the worker functions they launch, one plot module per lesson, the
-explorer.
+"""What only the notebooks use: the worker functions they launch, one
+plot module per lesson, the explorer.
 
     demos.py, demos_3d.py, demos_hetero.py   small worker functions (importable: spawned ranks run
                                              them)

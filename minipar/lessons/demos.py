@@ -3,8 +3,8 @@
 They live in a module because `launch` starts fresh processes that import the function by name (a
 function defined in a notebook cannot be imported). Each one reads its rank from torch.distributed,
 prints what a lesson wants to show (it comes back as "[rank r] ..."), and returns plain data (lists,
-dicts, CPU tensors) for the notebook to check. Tensors live on the rank's GPU under NCCL, else on
-CPU.
+dicts, CPU tensors) for the notebook to check. Tensors live on
+the rank's GPU under NCCL, else on CPU.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def _sync() -> None:
 
 
 def _in_turn(text: str) -> None:
-    """Print `text` on every rank, rank 0 first: a barrier between turns keeps the lines in
-    order."""
+    """Print `text` on every rank, rank 0 first: a barrier between
+    turns keeps the lines in order."""
     for r in range(dist.get_world_size()):
         if r == dist.get_rank():
             print(text, flush=True)
@@ -104,8 +104,8 @@ def ring_trace(length: int | None = None) -> dict:
     length = length or n
     x = torch.full((length,), 2 ** rank, dtype=torch.int64, device=_device())
     work = x.clone()
-    chunks = list(torch.tensor_split(work, n))  # views into work, uneven when n does not divide
-                                                #   length
+    chunks = list(torch.tensor_split(work, n))  # views into work, uneven when n does
+                                                #   not divide length
     right, left = (rank + 1) % n, (rank - 1) % n
     steps = [[int(c[0]) for c in chunks]]
     for phase in ("reduce-scatter", "all-gather"):
@@ -144,8 +144,8 @@ def count_bytes(lengths: list[int]) -> list[dict]:
 
 
 def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
-    """Best-of-`reps` seconds of an fp32 all-reduce of each size (bytes): minipar's ring and the
-    backend's.
+    """Best-of-`reps` seconds of an fp32 all-reduce of each size (bytes):
+    minipar's ring and the backend's.
 
     Every rank waits at a barrier before each repetition, so they start together; one warm-up call
     per size is not timed. The minimum, not the mean, because on a shared machine another process
@@ -174,8 +174,8 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
 
 # ----------------------------------------------------------------------------- lesson 01
 
-DP_VARIANTS = {  # name -> what trains one step; every variant sees the same weights and the same
-                 #   batch
+DP_VARIANTS = {  # name -> what trains one step; every variant sees the
+                 #   same weights and the same batch
     "local": "no gradient sync at all: the compute alone, the floor the others approach",
     "ddp": "torch.nn.parallel.DistributedDataParallel, bucket_cap_mb = bucket_mb",
     "bucketed/minipar": "minipar DataParallelBucket, minipar's ring on a communication thread",
@@ -253,8 +253,8 @@ def _dp_variant(name: str, cfg, device, bucket_mb: float) -> tuple:
 
 
 def slowest_rank(by_rank: list[dict], key: str = "step") -> dict[str, list[float]]:
-    """From `compare_ddp`'s results by rank: {variant: each repetition's time on its slowest
-    rank}."""
+    """From `compare_ddp`'s results by rank: {variant: each repetition's
+    time on its slowest rank}."""
     return {name: [max(ts) for ts in zip(*(r[key][name] for r in by_rank))]
             for name in by_rank[0][key]}
 
@@ -325,8 +325,8 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar
 
 
 def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
-    """The MLP, fc column-parallel and proj row-parallel over this world, on one input, with and
-    without SP.
+    """The MLP, fc column-parallel and proj row-parallel over this world,
+    on one input, with and without SP.
 
     Every rank builds the single-device MLP and the same input x and upstream gradient dy from
     `seed` (the reference, computed locally), cuts its blocks, and runs forward and backward, the TP

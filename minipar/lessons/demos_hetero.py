@@ -48,8 +48,8 @@ def planned(cfg, par: ParallelConfig, global_batch: int, slow_ranks: dict) -> Pa
     """`par` with the planner's uneven split for its world, rank r being slow_ranks.get(r, 1) times
     slower: `minipar.estimate` on `cluster_of` those speeds; its layers per chunk become
     stage_layers, its micro-batches per DP replica dp_shares. The planner is asked for micro-batches
-    of par.microbatches rows, so that every share cuts into the executor's par.microbatches equal
-    micro-batches."""
+    of par.microbatches rows, so that every share cuts into the executor's
+    par.microbatches equal micro-batches."""
     cluster = cluster_of([1.0 / slow_ranks.get(r, 1.0) for r in range(par.world)])
     even = par.replace(stage_layers=None, dp_shares=None)
     est = estimate(cfg, even, cluster, global_batch, micro_batch=par.microbatches)
@@ -86,8 +86,8 @@ def race(cfg, layouts: list, steps: int, global_batch: int, slow_ranks: dict, ro
 def compare(cfg, par: ParallelConfig, global_batch: int, slow_ranks: dict, steps: int = 5,
             rounds: int = 6,
             timeout: float = 600.0) -> dict:
-    """Uniform `par` against `planned(...)`, both with `slow_ranks` throttled, in one launch
-    (`race`).
+    """Uniform `par` against `planned(...)`, both with `slow_ranks`
+    throttled, in one launch (`race`).
 
     This machine may be shared: other work slows steps, by a factor that drifts within a second. Two
     verdicts stand up to it: "best_ratio", planned's fastest step over uniform's (other work only

@@ -38,8 +38,8 @@ from minipar.planner import estimate, plan, this_machine
 from minipar.planner.cluster import Cluster
 from minipar.train import train
 
-# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048), beside minipar's and GPT-2's
-# presets
+# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048),
+# beside minipar's and GPT-2's presets
 PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144),
              "175B": dict(n_layer=96, n_head=96, d_model=12288),
              "530B": dict(n_layer=105, n_head=128, d_model=20480),
@@ -51,18 +51,18 @@ QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtu
              zero=(0, 1))
 # this machine times each layer
 HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))
-HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small models
-                        #   only
+HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this
+                        #   process: small models only
 RUN_STEPS, RUN_TIMEOUT = 4, 300
 
 
 def explorer(model: str = "gpt2-xl", cluster: str = "dgx-a100-80g", nodes: int = 1,
              global_batch: int = 64,
              precision: str = "bf16", search: str = "full") -> "Explorer":
-    """The dashboard (module docstring), starting at `plan`'s winner; display it as a cell's last
-    value.
-    cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes` is its number of local
-    ranks)."""
+    """The dashboard (module docstring), starting at `plan`'s winner;
+    display it as a cell's last value.
+    cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes`
+    is its number of local ranks)."""
     return Explorer(model, cluster, nodes, global_batch, precision, search)
 
 
@@ -97,8 +97,8 @@ def _knob_controls(precision: str) -> dict:
 class Explorer:
     """The dashboard of `explorer()`. `widget` is the box to display; `estimates` the ranked plan
     (empty when nothing fits: `plan_error` says why), `current` the knobs' estimate (None when they
-    break a rule: `error` is its message), `pinned` layout A's, `result` the last "Run here"
-    TrainResult."""
+    break a rule: `error` is its message), `pinned` layout A's, `result`
+    the last "Run here" TrainResult."""
 
     def __init__(self, model="gpt2-xl", cluster="dgx-a100-80g", nodes=1, global_batch=64,
                  precision="bf16",
@@ -183,8 +183,8 @@ class Explorer:
         return GPTConfig(**{k: self.shape[k].value for k in SHAPE})
 
     def cluster(self, world: int | None = None) -> Cluster:
-        """The cluster of the inputs; for this machine, calibrated for `world` ranks (default:
-        nodes)."""
+        """The cluster of the inputs; for this machine, calibrated for
+        `world` ranks (default: nodes)."""
         if self.kind.value == THIS:
             if self.config().num_params > HERE_MAX_PARAMS:
                 raise ValueError("this machine times the model's own layers here: choose a model "
@@ -234,8 +234,8 @@ class Explorer:
         self.update()
 
     def set(self, **knobs) -> None:
-        """Set knobs by name (KNOBS) and re-estimate, without redrawing; then `render()` or
-        `refresh()`."""
+        """Set knobs by name (KNOBS) and re-estimate, without redrawing;
+        then `render()` or `refresh()`."""
         unknown = set(knobs) - set(KNOBS)
         if unknown:
             raise ValueError(f"unknown knobs {sorted(unknown)}; choose from {KNOBS}")
@@ -307,8 +307,8 @@ class Explorer:
                 explorer_html.ranking(self.estimates, self.plan_error))
 
     def refresh(self) -> None:
-        """Redraw the dashboard's own outputs; the summary last, so that its numbers mean all is
-        drawn."""
+        """Redraw the dashboard's own outputs; the summary last, so that
+        its numbers mean all is drawn."""
         error = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>" if self.error else ""
         self.error_box.value = error
         self.ab.value = explorer_html.ab(self.pinned, self.current)
@@ -382,8 +382,8 @@ class Explorer:
     def _on_knob(self, change) -> None:
         if self._quiet:
             return
-        if change["owner"] is self.knobs["precision"]:  # what fits changes: rank again, keep the
-                                                        #   knobs
+        if change["owner"] is self.knobs["precision"]:  # what fits changes: rank again,
+                                                        #   keep the knobs
             knobs = {name: c.value for name, c in self.knobs.items()}
             self.replan()
             self._set(**knobs)

@@ -39,8 +39,8 @@ def text(s: str) -> dict:
 
 
 def png(fig) -> dict:
-    """A figure as an Output widget's output (PNG), and closed: set from any thread, in any
-    kernel."""
+    """A figure as an Output widget's output (PNG), and closed: set
+    from any thread, in any kernel."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=72)
     plt.close(fig)
@@ -50,8 +50,8 @@ def png(fig) -> dict:
 
 
 def summary(est, best) -> str:
-    """The estimate as a line of text, and as JSON in `data-estimate` (for tests that read the
-    page)."""
+    """The estimate as a line of text, and as JSON in `data-estimate`
+    (for tests that read the page)."""
     if est is None:
         return ""
     par, cfg = est.par, est.cfg
@@ -92,8 +92,8 @@ def ab(a, b) -> str:
 
 def measured(est, res) -> list[dict]:
     """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`, per
-    rank: the planner's per-stage figure is its DP rank 0, the fullest under ZeRO), the step, the
-    pipeline."""
+    rank: the planner's per-stage figure is its DP rank 0, the fullest
+    under ZeRO), the step, the pipeline."""
     par = est.par
     coords = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]
@@ -121,8 +121,8 @@ def measured(est, res) -> list[dict]:
 
 def plots(est, best, pinned) -> list[dict]:
     """The knobs' estimate drawn: its step cut into terms beside the plan's winner and the pinned
-    layout A, its memory per GPU of each stage, and its pipeline as simulated (left out above
-    MAX_BOXES actions)."""
+    layout A, its memory per GPU of each stage, and its pipeline as simulated
+    (left out above MAX_BOXES actions)."""
     if est is None:
         return []
     bars = {"winner: " + best.label: best} if best else {}

@@ -17,8 +17,8 @@ from matplotlib.figure import Figure
 
 
 def loss_curve(runs: dict[str, list[float]], title: str = "training loss") -> Figure:
-    """Loss against step, one line per run ({label: losses}); equal runs draw on top of each
-    other."""
+    """Loss against step, one line per run ({label: losses}); equal
+    runs draw on top of each other."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for (label, losses), style in zip(runs.items(), ["-", "--", ":", "-."] * len(runs)):
         ax.plot(range(1, len(losses) + 1), losses, style, label=label)

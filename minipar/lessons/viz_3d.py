@@ -1,8 +1,8 @@
 """Plots for the 3D-parallelism lesson (06): each function takes plain data and returns a Figure.
 
     rank_grid(mesh, labels)           the dp x tp x pp grid: one box per global rank, a row per
-                                      pipeline stage, coloured by stage, columns grouped by
-                                      data-parallel replica
+                                      pipeline stage, coloured by stage, columns grouped
+                                      by data-parallel replica
     throughput(labels, tokens, sent)  tokens/s and bytes sent per rank and step, one bar per layout
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Plots for lesson 00 (collectives): the ring all-reduce stepped through, and bandwidth against
-size.
+"""Plots for lesson 00 (collectives): the ring all-reduce stepped
+through, and bandwidth against size.
 
     ring_states(n)        the ring all-reduce simulated from `comm.ring_schedule`: what each rank
                           holds
@@ -56,8 +56,8 @@ def _draw_state(ax, state: dict, n: int, cmap) -> None:
         ax.add_patch(plt.Rectangle((recv - 0.5, r - 0.5), 1, 1, fill=False, lw=2.5, ec="crimson"))
         arrow = dict(arrowstyle="->", color="crimson", lw=1.5)
         x = recv + 0.42
-        if r == 0:  # the ring wraps: the last rank sends to rank 0 (out of the bottom, in at the
-                    #   top)
+        if r == 0:  # the ring wraps: the last rank sends to rank 0 (out
+                    #   of the bottom, in at the top)
             ax.annotate("", (x, -0.45), (x, -0.8), arrowprops=arrow, annotation_clip=False)
             ax.annotate("", (x, n - 0.2), (x, n - 0.55), arrowprops=arrow, annotation_clip=False)
         else:

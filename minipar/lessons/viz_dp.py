@@ -37,8 +37,8 @@ def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str =
     Spans are (what, start, end) in perf_counter seconds, as `DataParallel.timeline` records them.
     Each rank has two rows: "compute" (forward, backward, and "wait", the time blocked in finish()
     on communication backward did not hide, hatched) and "comm" (every all-reduce: "bucket i" or, in
-    naive mode, "all-reduce"; neighbours alternate in shade). Times count from each run's first
-    span.
+    naive mode, "all-reduce"; neighbours alternate in shade). Times
+    count from each run's first span.
     """
     fig, axes = plt.subplots(len(runs), 1,
                              figsize=(10, 0.5 + 1.1 * sum(len(r) for r in runs.values())),

@@ -1,12 +1,12 @@
-"""Plots for the pipeline lesson (05): each function takes plain data and returns a matplotlib
-Figure.
+"""Plots for the pipeline lesson (05): each function takes plain
+data and returns a matplotlib Figure.
 
     gantts(timelines)          several `pipeline.Timeline`s as Gantt charts (`viz_pipeline.gantt`),
                                one panel each, stacked on one time axis: schedules side by side, or
                                measured over simulated
     against_m(ms, points)      a quantity against the number of micro-batches m, one colour per
-                               series: markers for what was simulated or measured, dashed lines for
-                               the formulas
+                               series: markers for what was simulated or measured,
+                               dashed lines for the formulas
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def against_m(ms: list[int], points: dict[str, list[float]],
               ylabel: str = "", title: str = "", ax=None,
               lines_label: str = "dashed: the formula") -> Figure:
     """points[name][i] (markers) and lines[name][i] (dashed, in the same colour) at m = ms[i]. Each
-    series' markers are smaller than the one before, so that series falling on the same values all
-    stay visible."""
+    series' markers are smaller than the one before, so that series falling
+    on the same values all stay visible."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.6), layout="constrained")
     names = list(dict.fromkeys([*points, *(lines or {})]))

@@ -30,8 +30,8 @@ TERM_COLOURS = dict(zip(planner.TERMS,
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:
     """GiB per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order, with
-    each stage's capacity (its GPUs' memory_per_gpu, the smallest if they differ) as a black
-    tick."""
+    each stage's capacity (its GPUs' memory_per_gpu, the smallest
+    if they differ) as a black tick."""
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.5 * len(est.stages)), 3.6),
                              layout="constrained")
@@ -85,8 +85,8 @@ def breakdown(estimates: dict, ax=None, title: str = "where the step time goes")
 def ratios(
     rows: dict[str, dict[str, float]], band: float = 0.10, title: str = "predicted / published"
 ) -> Figure:
-    """{row: {series: predicted / published}} as grouped horizontal bars around 1, the ±band
-    shaded."""
+    """{row: {series: predicted / published}} as grouped horizontal
+    bars around 1, the ±band shaded."""
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(rows)), layout="constrained")
     series = list(dict.fromkeys(s for r in rows.values() for s in r))
     h = 0.8 / len(series)

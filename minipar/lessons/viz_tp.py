@@ -124,8 +124,8 @@ def comm_compute(
     title: str = "tensor parallelism: communication time / compute time, per layer",
 ) -> Figure:
     """{model: {link: [comm / compute for each t in degrees]}}, one panel per model, log scale;
-    above 1 the all-reduces, which the next matmul waits for, take longer than the layer's
-    matmuls."""
+    above 1 the all-reduces, which the next matmul waits for, take
+    longer than the layer's matmuls."""
     fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios) + 1, 3.6), sharey=True,
                              squeeze=False,
                              layout="constrained")

@@ -14,8 +14,8 @@ from matplotlib.figure import Figure
 def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | None = None,
                 title: str = "model states per device") -> Figure:
     """GB per device against N_d, one bar per ZeRO stage ({N_d: {stage: GB}}, as `memory.zero_table`
-    gives), on a log scale; `paper` ({N_d: (stage 1, 2, 3)}) adds the published figures as black
-    ticks."""
+    gives), on a log scale; `paper` ({N_d: (stage 1, 2, 3)}) adds the
+    published figures as black ticks."""
     n_ds, stages = list(table), sorted(next(iter(table.values())))
     fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(n_ds), 3.8), layout="constrained")
     w = 0.8 / len(stages)

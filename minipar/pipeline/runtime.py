@@ -1,5 +1,5 @@
-"""Pipeline runtime: cut the GPT into chunks, then run any schedule's actions with point-to-point
-sends.
+"""Pipeline runtime: cut the GPT into chunks, then run any schedule's
+actions with point-to-point sends.
 
 Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the
 batch into m micro-batches; activations travel forward from stage to stage and their gradients
@@ -50,16 +50,16 @@ from minipar.pipeline.schedules import Action, check, replay
 
 
 def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]:
-    """Contiguous layer ranges, one per chunk: uniform, given sizes, or minimising the largest
-    chunk's cost.
+    """Contiguous layer ranges, one per chunk: uniform, given sizes, or
+    minimising the largest chunk's cost.
 
     costs=None: sizes differ by at most one, the first chunks take the extra layers.
-    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers: a heterogeneous plan's
-    split).
+    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers:
+    a heterogeneous plan's split).
     costs: n_layer per-layer costs (seconds, FLOPs...), or n_layer + 2 values [embedding, layer 0,
     ..., layer l-1, head + loss]: the first chunk then also pays the embedding and the last the
-    head. The split minimises the maximum chunk cost (dynamic programming over the boundaries,
-    O(chunks·l²)).
+    head. The split minimises the maximum chunk cost (dynamic programming
+    over the boundaries, O(chunks·l²)).
     """
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
@@ -83,7 +83,6 @@ def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]
                              f"{len(costs)}")
         emb, head = (costs.pop(0), costs.pop()) if len(costs) == n_layer + 2 else (0.0, 0.0)
         prefix = [0.0, *itertools.accumulate(costs)]
-        # noqa: E731
         cost = lambda a, b: prefix[b] - prefix[a] + emb * (a == 0) + head * (b == n_layer)
         best = {(0, 0): (0.0, 0)}  # (k, i) -> (least max cost of layers [0, i) in k chunks, where
                                    #   the k-th starts)
@@ -102,8 +101,8 @@ class Chunk(nn.Module):
     """Some consecutive layers of a GPT, holding the GPT's own modules (references, not copies).
 
     forward: idx (B, T) int64 if `first`, else hidden (B, T, h) -> hidden (B, T, h), or logits (B,
-    T, V) if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"), so state dicts merge
-    back.
+    T, V) if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"),
+    so state dicts merge back.
     """
 
     def __init__(self, model: GPT, layers: range, first: bool, last: bool):
@@ -146,8 +145,8 @@ def free_unused(model: GPT, chunks) -> None:
 
 
 def gather_stages(share, group) -> list:
-    """Every pipeline stage's `share` (any picklable object: its part of the weights...), in stage
-    order."""
+    """Every pipeline stage's `share` (any picklable object: its part
+    of the weights...), in stage order."""
     if group is None or dist.get_world_size(group) == 1:
         return [share]
     shares = [None] * dist.get_world_size(group)
@@ -155,8 +154,8 @@ def gather_stages(share, group) -> list:
     return shares
 
 
-# ----------------------------------------------------------------------------- the schedule's
-# messages
+# -----------------------------------------------------------------------------
+# the schedule's messages
 
 
 def _key(a) -> tuple[str, int, int]:
@@ -164,16 +163,16 @@ def _key(a) -> tuple[str, int, int]:
 
 
 def _ends(key: tuple, p: int) -> tuple[int, int]:
-    """(sending rank, receiving rank) of message `key`: F(c) goes to chunk c+1, B(c) to chunk
-    c-1."""
+    """(sending rank, receiving rank) of message `key`: F(c) goes
+    to chunk c+1, B(c) to chunk c-1."""
     return key[1] % p, (key[1] + (1 if key[0] == "F" else -1)) % p
 
 
 def message_order(schedule, chunks: int) -> list[tuple]:
     """Every message of a step, named by the action that produces it (F(c): the activation for chunk
     c+1; B(c): the gradient for chunk c-1), in the order `schedules.replay` produces them: each rank
-    runs its next action as soon as its inputs exist. Any such order is causal, which is all
-    matching needs."""
+    runs its next action as soon as its inputs exist. Any such order is
+    causal, which is all matching needs."""
     p = len(schedule)
     done, stuck = replay([[Action(*_key(a)) for a in ops] for ops in schedule], p, chunks // p)
     if stuck:
@@ -187,8 +186,8 @@ def message_order(schedule, chunks: int) -> list[tuple]:
 
 
 class PipelineExecutor:
-    """Runs this rank's actions of `schedule` (one list of Actions per pipeline rank), a step at a
-    time.
+    """Runs this rank's actions of `schedule` (one list of Actions
+    per pipeline rank), a step at a time.
 
     chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the
     activations between chunks; group: the pipeline group (None: the world, or no process group when
@@ -234,8 +233,8 @@ class PipelineExecutor:
             if src != dst and self.rank in (src, dst):
                 self.queues[dst if src == self.rank else src].append((key, src == self.rank))
         # modules holding parameters, deepest first: in split mode W runs their weight gradients one
-        # by one (depth: the chunk itself 0, its children 1...; a tie with the chunk would hand it
-        # their parameters)
+        # by one (depth: the chunk itself 0, its children 1...; a tie with
+        # the chunk would hand it their parameters)
         depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n,
                  m in c.named_modules()}
         self.owners = {k: sorted((m for m in c.modules() if any(True for _ in m.parameters())),
@@ -250,8 +249,8 @@ class PipelineExecutor:
         self._reset()
 
     def _reset(self) -> None:
-        """A step's state: the loss so far, the saved activations, messages in and out, sends to
-        wait on."""
+        """A step's state: the loss so far, the saved activations, messages
+        in and out, sends to wait on."""
         self._loss, self._scale = None, 1.0
         self._saved, self._inbox, self._outbox, self._sends = {}, {}, {}, []
         self._posted = {q: 0 for q in self.queues}
@@ -318,8 +317,8 @@ class PipelineExecutor:
         dy = None if c == self.n_chunks - 1 else self._receive(("B", c + 1, j))
         start = time.perf_counter()
         x, out, captured = self._saved.pop((c, j))
-        if self.split:  # input gradient only; keep the graph and each weight-owning module's output
-                        #   grad
+        if self.split:  # input gradient only; keep the graph and each
+                        #   weight-owning module's output grad
             wanted = ([x] if c > 0 else []) + [y for _, y, _ in captured]
             grads = torch.autograd.grad(out, wanted, dy, retain_graph=True, allow_unused=True)
             dx, self._saved[(c, j)] = (grads[0] if c > 0 else None), (captured,

@@ -8,8 +8,8 @@ micro-batches' activations a rank must keep (memory). Simplest first, p ranks, m
 T_B, T_W per micro-batch:
 
     gpipe             all F, then all B (Huang et al. 2019). Bubble (p-1)/m of the ideal time, i.e.
-                      a fraction (p-1)/(m+p-1) of the step; every rank keeps m micro-batches'
-                      activations.
+                      a fraction (p-1)/(m+p-1) of the step; every rank keeps
+                      m micro-batches' activations.
     1f1b              PipeDream-Flush (Narayanan et al. 2021): rank r runs p-1-r forwards (warm-up),
                       then alternates one F and one B, then drains its Bs (cool-down). Same bubble
                       as GPipe, but rank r keeps at most p-r micro-batches: activation memory
@@ -22,8 +22,8 @@ T_B, T_W per micro-batch:
     zb-h1             Zero Bubble ZB-H1 (Qi et al. 2023): split the backward into B (needed by the
                       previous rank) and W (needed by nobody but the optimizer); rank r defers up to
                       r Ws and runs them in the cool-down, where 1F1B idles. Bubble per rank
-                      (p-1)(T_F+T_B-T_W) instead of 1F1B's (p-1)(T_F+T_B+T_W), with the same peak
-                      memory p·M_B.
+                      (p-1)(T_F+T_B-T_W) instead of 1F1B's (p-1)(T_F+T_B+T_W),
+                      with the same peak memory p·M_B.
 
     Action("F", stage=3, microbatch=5): run the forward of model chunk 3 on micro-batch 5.
 
@@ -43,8 +43,8 @@ OPS = ("F", "B", "W")
 
 
 class Action(NamedTuple):
-    op: str          # "F" forward, "B" backward (input gradient; the whole backward if no W), "W"
-                     #   weight grad
+    op: str          # "F" forward, "B" backward (input gradient; the whole
+                     #   backward if no W), "W" weight grad
     stage: int       # global model chunk, 0 .. stages * virtual_stages - 1
     microbatch: int
 
@@ -53,8 +53,8 @@ class Action(NamedTuple):
 
 
 def rank_of(stage: int, stages: int) -> int:
-    """The pipeline rank that holds global chunk `stage` (Megatron's placement: chunk k on rank k %
-    p).
+    """The pipeline rank that holds global chunk `stage` (Megatron's
+    placement: chunk k on rank k % p).
 
         v = 2, p = 4:   rank 0: chunks 0, 4    rank 1: 1, 5    rank 2: 2, 6    rank 3: 3, 7
     """
@@ -70,8 +70,8 @@ def inputs(action: Action, chunks: int) -> list[Action]:
     """The actions whose results `action` needs: the data edges of the schedule.
 
     F of chunk c needs F of chunk c-1 (its input activation); B of c needs F of c (its saved
-    activations) and B of c+1 (the gradient of its output), unless c is the last chunk; W needs its
-    B.
+    activations) and B of c+1 (the gradient of its output), unless
+    c is the last chunk; W needs its B.
     """
     op, c, mb = action
     if op == "F":
@@ -103,8 +103,8 @@ def validate(name: str, stages: int, microbatches: int, virtual_stages: int = 1)
 
 
 def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
-    """All forwards, then all backwards: rank r keeps every micro-batch's activations until its
-    B."""
+    """All forwards, then all backwards: rank r keeps every
+    micro-batch's activations until its B."""
     return [[Action("F", r, i) for i in range(microbatches)] + [Action("B", r, i)
                                                                 for i in range(microbatches)]
             for r in range(stages)]
@@ -113,8 +113,8 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     """PipeDream-Flush. Rank r's first B can only start once micro-batch 0 has gone down to the last
     rank and back, so it fills that wait with p-1-r forwards; from then on each F is paired with a
-    B, which keeps at most p-r micro-batches alive. Works for m < p too (the warm-up is then all of
-    m)."""
+    B, which keeps at most p-r micro-batches alive. Works for m < p
+    too (the warm-up is then all of m)."""
     plan = []
     for r in range(stages):
         warmup = min(stages - 1 - r, microbatches)
@@ -129,15 +129,15 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
 def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
     """Megatron's interleaved 1F1B. Each rank walks its m·v (chunk, micro-batch) units in groups of
     p micro-batches: p forwards of its first chunk, then p of its second, ... then the next p
-    micro-batches; backwards in the same groups, chunks in reverse. The warm-up is (p-1-r)·2 +
-    (v-1)·p
+    micro-batches; backwards in the same groups, chunks in reverse.
+    The warm-up is (p-1-r)·2 + (v-1)·p
     forwards: enough for micro-batch 0 to reach the last chunk and its gradient to come back."""
     p, m, v = stages, microbatches, virtual_stages
     if v == 1:
         return one_f_one_b(p, m)
 
-    def unit(k: int, forward: bool) -> tuple[int, int]:  # k-th forward (or backward) unit ->
-                                                         #   (chunk, mb)
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # k-th forward (or backward) unit
+                                                         #   -> (chunk, mb)
         group, within = divmod(k, p * v)
         local = (k // p) % v
         return (local if forward else v - 1 - local), group * p + within % p
@@ -191,8 +191,8 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: i
     return tuple(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
 
 
-# ----------------------------------------------------------------------------- checking any action
-# list
+# -----------------------------------------------------------------------------
+# checking any action list
 
 
 def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, duration=None,
@@ -228,8 +228,8 @@ def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, du
 
 def check(actions: list[list[Action]], stages: int, microbatches: int,
           virtual_stages: int = 1) -> None:
-    """Raise ValueError naming the first rule that `actions` break (which rank, which action), else
-    None.
+    """Raise ValueError naming the first rule that `actions` break
+    (which rank, which action), else None.
 
     Rules: one list per rank; each action is a valid F/B/W of an existing chunk and micro-batch, on
     the rank that holds the chunk, at most once; an action comes after the inputs it has on its own

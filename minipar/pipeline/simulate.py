@@ -1,10 +1,10 @@
-"""A schedule plus per-op costs gives a timeline: when each action runs, the bubble, the memory
-held.
+"""A schedule plus per-op costs gives a timeline: when each action
+runs, the bubble, the memory held.
 
 The simulator follows the runtime's rule (see `schedules.replay`): each rank runs its actions in
 order, an action starts when its rank is free and its inputs are done, and an input from another
-rank arrives `latency` later (the point-to-point send). Nothing else is modelled: no bandwidth, no
-overlap.
+rank arrives `latency` later (the point-to-point send). Nothing else
+is modelled: no bandwidth, no overlap.
 
     bubble          = total idle time / (ranks · makespan): the fraction of the step the ranks wait;
                       idle counts from the first start of any rank to the last end of any rank.
@@ -67,8 +67,8 @@ class Timeline:
     @property
     def peak_in_flight(self) -> list[int]:
         """Per rank, the most (chunk, micro-batch) pairs alive at once: F run, backward not finished
-        (its last op: W if the schedule has Ws, else B). Order of the events, so ties do not
-        matter."""
+        (its last op: W if the schedule has Ws, else B). Order of
+        the events, so ties do not matter."""
         split = any(a.op == "W" for rank in self.events for a, _, _ in rank)
         last = "W" if split else "B"
         peaks = []
@@ -87,8 +87,8 @@ class Timeline:
 
 
 def _cost_fn(cost, chunks: int, split: bool):
-    """cost {"F": t, "B": t, "W": t}, each a number or a list per chunk -> duration(rank,
-    action)."""
+    """cost {"F": t, "B": t, "W": t}, each a number or a list per
+    chunk -> duration(rank, action)."""
     for op in cost:
         if op not in ("F", "B", "W"):
             raise ValueError(f"cost keys must be 'F', 'B', 'W', got {op!r}")
@@ -108,8 +108,8 @@ def _cost_fn(cost, chunks: int, split: bool):
 
 def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1,
              cost=None, latency: float = 0.0) -> Timeline:
-    """The timeline of `actions` (checked first) when each op takes cost[op] and each message
-    `latency`.
+    """The timeline of `actions` (checked first) when each op takes
+    cost[op] and each message `latency`.
 
     cost: {"F": t_F, "B": t_B, "W": t_W} (default 1, 1, 1), each a number or one number per global
     chunk. Per action, i.e. per (chunk, micro-batch): with v chunks per rank, pass a rank's per
@@ -126,12 +126,12 @@ def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtua
 
 
 def to_chrome_trace(timeline: Timeline, path=None) -> dict:
-    """Chrome trace-event JSON of a timeline (open it in https://ui.perfetto.dev or
-    chrome://tracing).
+    """Chrome trace-event JSON of a timeline (open it in
+    https://ui.perfetto.dev or chrome://tracing).
 
     One complete ("X") event per action, named like "F3" (op and micro-batch), on thread `rank` of
-    process 0, times in microseconds (a timeline's times are taken as seconds). Written to `path` if
-    given.
+    process 0, times in microseconds (a timeline's times are taken as
+    seconds). Written to `path` if given.
     """
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipeline"}}]
     for r, rank in enumerate(timeline.events):

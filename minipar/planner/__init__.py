@@ -1,5 +1,5 @@
-"""The cost model and the planner: a layout's memory and step time on a described cluster, and a
-search.
+"""The cost model and the planner: a layout's memory and step time
+on a described cluster, and a search.
 
     cluster.py        the cluster as a value: GPU kinds, presets, links, mixed clusters (no I/O)
     gpu_time.py       what one GPU spends on its share of a step: compute, memory-bound kernels, TP,

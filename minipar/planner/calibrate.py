@@ -1,5 +1,5 @@
-"""This machine as a Cluster: what its CPU cores and gloo give `world` local ranks, measured in
-seconds.
+"""This machine as a Cluster: what its CPU cores and gloo give
+`world` local ranks, measured in seconds.
 
 gpu_time.py models GPUs: kernels queued ahead of the host, collectives on links of their own,
 overlapped with compute. minipar's small models on a few CPU cores live elsewhere: a layer is mostly
@@ -57,8 +57,8 @@ from minipar.train import train_layouts
 
 @dataclass(frozen=True)
 class CPU:
-    """What `world` local ranks get from this machine (module docstring). Frozen: a Cluster
-    field."""
+    """What `world` local ranks get from this machine (module
+    docstring). Frozen: a Cluster field."""
     world: int
     cores: int            # the cores this process may run on
     threads: int          # intra-op threads per rank (launch: max(1, cores // world))
@@ -68,8 +68,8 @@ class CPU:
     links: tuple = ()     # (group size, meet s, s a ring step, bytes/s), per group size measured
 
     def link(self, n: int) -> tuple[float, float, float]:
-        """(s to meet after compute, s a ring step, bandwidth) among n ranks: the nearest group size
-        measured."""
+        """(s to meet after compute, s a ring step, bandwidth) among n ranks:
+        the nearest group size measured."""
         if not self.links:
             return 0.0, 0.0, float("inf")
         return min(self.links, key=lambda x: (abs(x[0] - n), x[0]))[1:]
@@ -92,8 +92,8 @@ class CPU:
 
 
 def _times(fn, reps: int, warmup: int = 2, budget: float = 2.0) -> list[float]:
-    """Seconds of `reps` runs of fn after `warmup` (fewer if they pass `budget` seconds, at least
-    3)."""
+    """Seconds of `reps` runs of fn after `warmup` (fewer if they
+    pass `budget` seconds, at least 3)."""
     for _ in range(warmup):
         fn()
     times, end = [], time.perf_counter() + budget
@@ -114,8 +114,8 @@ def _fastest(fn, reps: int) -> float:
 
 
 def machine_rank(reps: int = 7) -> dict:
-    """Rank 0's part of `measure`, the other ranks waiting (module docstring); {"world", "threads"}
-    elsewhere."""
+    """Rank 0's part of `measure`, the other ranks waiting (module docstring);
+    {"world", "threads"} elsewhere."""
     out = {"world": dist.get_world_size(), "threads": torch.get_num_threads()}
     if dist.get_rank() == 0:
         a, b = torch.randn(512, 512), torch.randn(512, 512)
@@ -128,8 +128,8 @@ def machine_rank(reps: int = 7) -> dict:
 
 def probe_groups() -> dict:
     """{group size g: this rank's group of g consecutive ranks}, for g in 2, 4, 8 dividing the
-    world: the groups `link_rank` probes. Collective: every rank calls it (each must make every
-    group)."""
+    world: the groups `link_rank` probes. Collective: every rank calls
+    it (each must make every group)."""
     rank, world, out = dist.get_rank(), dist.get_world_size(), {}
     for g in (g for g in (2, 4, 8) if world % g == 0):
         out[g] = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)][rank // g]
@@ -212,8 +212,8 @@ def with_links(cpu: CPU | None, probes: list[dict], machine: dict | None = None)
 
 
 def measure(world: int, reps: int = 7, timeout: float = 120.0) -> CPU:
-    """Measure this machine for `world` local ranks (module docstring): one launch, a few
-    seconds."""
+    """Measure this machine for `world` local ranks (module docstring):
+    one launch, a few seconds."""
     ranks = launch(calibrate_rank, world, reps, backend="gloo", timeout=timeout)
     return with_links(None, [r["links"] for r in ranks], ranks[0]["machine"])
 
@@ -275,13 +275,12 @@ def cluster_of(cpu: CPU) -> Cluster:
                    cpu=cpu, **link)
 
 
-# ----------------------------------------------------------------------------- many layouts, one
-# launch
+# ----------------------------------------------------------------------- many layouts, one launch
 
 
 def _system_busy() -> float:
-    """Seconds of CPU time every program on this machine has used so far (Linux /proc/stat; 0
-    elsewhere)."""
+    """Seconds of CPU time every program on this machine has used so
+    far (Linux /proc/stat; 0 elsewhere)."""
     try:
         with open("/proc/stat") as f:
             user, nice, system, idle, iowait, irq, softirq, steal = map(int,
@@ -307,8 +306,8 @@ def run_layouts(jobs: list, steps: int, calibrate: bool = False) -> dict:
         wall, cpu, busy = time.perf_counter(), time.process_time(), _system_busy()
         r = train()
         ours = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
-        dist.all_reduce(ours)  # every rank's CPU seconds, all threads: what is not ours is other
-                               #   programs'
+        dist.all_reduce(ours)  # every rank's CPU seconds, all threads: what is
+                               #   not ours is other programs'
         wall, others = time.perf_counter() - wall, _system_busy() - busy - ours.item()
         out["layouts"].append({"step_times": r.step_times, "memory": r.memory, "calls": r.calls,
                                "links": links,

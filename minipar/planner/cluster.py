@@ -1,6 +1,6 @@
 """The cluster as a value: GPUs, their speed and memory, and the links between them; presets of
-vendor figures; mixed clusters of several kinds. No I/O here: `planner.calibrate` makes one of this
-machine."""
+vendor figures; mixed clusters of several kinds. No I/O here:
+`planner.calibrate` makes one of this machine."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,14 +17,14 @@ class Link(NamedTuple):
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs, their speed and memory, and the links between them. Homogeneous unless `groups` is
-    set."""
+    """GPUs, their speed and memory, and the links between them.
+    Homogeneous unless `groups` is set."""
     gpus_per_node: int
     nodes: int
     memory_per_gpu: float     # bytes the training job may use on one GPU
     peak_flops: float         # dense bf16 FLOP/s of one GPU (the MFU denominator)
-    efficiency: float         # fraction of peak the model's matmuls achieve (one number per GPU
-                              #   kind)
+    efficiency: float         # fraction of peak the model's matmuls achieve
+                              #   (one number per GPU kind)
     intra_bandwidth: float    # bytes/s per GPU, one direction, within a node (NVLink)
     intra_latency: float      # s per message within a node
     inter_bandwidth: float    # bytes/s per GPU across nodes (its NIC)
@@ -37,8 +37,8 @@ class Cluster:
                               # cpu_time.py instead (chosen in one place, predict.time_layout)
 
     # Vendor figures. intra_bandwidth is what NCCL moves over NVLink: 80% of the line rate (A100
-    # 300, H100 and H200 450 GB/s a direction), as NCCL's protocol costs about 20% (its maintainer,
-    # NVIDIA/nccl-tests
+    # 300, H100 and H200 450 GB/s a direction), as NCCL's protocol costs
+    # about 20% (its maintainer, NVIDIA/nccl-tests
     # issue 212: "450GB/s is the line rate ... NCCL can get an effective NVLink bandwidth of
     # 370GB/s"). inter_bandwidth is one NIC per GPU at line rate: HDR 200 Gb/s = 25 GB/s, NDR 400
     # Gb/s = 50 GB/s. Latencies are per ring step (an 8-GPU all-reduce pays 14), assumed: 1 us over
@@ -54,8 +54,8 @@ class Cluster:
         "h200": dict(gpus_per_node=8, memory_per_gpu=139 * GiB, peak_flops=989e12,
                      intra_bandwidth=0.8 * 450e9,
                      intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                     memory_bandwidth=4.8e12),           # 139 GiB: what torch reports on one H200
-                                                         #   here
+                     memory_bandwidth=4.8e12),           # 139 GiB: what torch reports
+                                                         #   on one H200 here
     }
     # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row
     # of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer (t = 8, b = 4, SP) at

@@ -1,9 +1,9 @@
-"""A layout's step time on this machine's CPU cores: gpu_time.py's model, changed where a CPU is
-different.
+"""A layout's step time on this machine's CPU cores: gpu_time.py's
+model, changed where a CPU is different.
 
 `planner.estimate` comes here when its Cluster carries a CPU calibration (`planner.this_machine`,
-calibrate.py); the memory is the same either way (memory.predict's exact count). What changes, and
-why:
+calibrate.py); the memory is the same either way (memory.predict's
+exact count). What changes, and why:
   compute       the model's own layer, ends, per-action overhead and optimizer step, as
                 `layer_profile.profile` times them (Python and dispatch are most of a small model's
                 time: FLOPs over a peak would miss it several times)
@@ -18,8 +18,8 @@ why:
   meeting       a collective entered from compute first pays `meet` (a woken process, a late peer),
                 then its ring steps; one that follows another back to back pays the steps only
 
-Per micro-batch, on a rank holding n layers of a chunk, t = tp, X = b s h e bytes (e = 4 fp32, 2
-bf16):
+Per micro-batch, on a rank holding n layers of a chunk, t = tp,
+X = b s h e bytes (e = 4 fp32, 2 bf16):
   F work  n layer_fwd + [first chunk] emb_fwd + [last] head_fwd + action_fwd; B, W likewise
   TP      no SP: per layer 2 all-reduces of X in F and 2 in B (+1 in B with full recompute: the
           recomputed forward stops after the attention's); 1 in F after the embedding; 1 in B before
@@ -28,8 +28,8 @@ bf16):
           column-parallel input again (2 a layer, 1 for the head; full recompute +2 gathers and +1
           scatter a layer), and once a step one all-reduce of the shard-used gradients
           (`tp_collectives`; `collective_calls` counts them for the tests).
-          Ring: meet + steps (step + X / (t bandwidth)), steps 2(t-1) for an all-reduce, t-1
-          otherwise
+          Ring: meet + steps (step + X / (t bandwidth)), steps 2(t-1)
+          for an all-reduce, t-1 otherwise
   PP      per chunk boundary, per micro-batch, each way: meet + step + X / bandwidth (X / t with SP)
 Per step, after the pipeline, all ranks at once:
   DP      ZeRO-0 all-reduce of 4 Psi bytes: fp32 gradients in bucket_mb buckets (one a tensor if
@@ -49,8 +49,8 @@ from minipar import memory, pipeline
 from minipar.pipeline.schedules import inputs
 from minipar.planner.layer_profile import profile
 
-TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2), ln2 (2), fc (2),
-                        #   mlp.proj (2)
+TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2),
+                        #   ln2 (2), fc (2), mlp.proj (2)
 
 
 def ring(kind: str, nbytes: float, n: int, cpu, meet: bool = True) -> float:
@@ -65,8 +65,8 @@ def ring(kind: str, nbytes: float, n: int, cpu, meet: bool = True) -> float:
 
 def tp_collectives(cfg, par, b: int, e: int) -> dict[str, list[tuple[str, float]]]:
     """The TP collectives of one micro-batch (module docstring) as [(kind, full tensor bytes)], per
-    place: {"layer_F", "layer_B" (one layer), "emb_F", "emb_B" (first chunk), "head_F", "head_B"
-    (last chunk)}."""
+    place: {"layer_F", "layer_B" (one layer), "emb_F", "emb_B" (first
+    chunk), "head_F", "head_B" (last chunk)}."""
     X, small, full = b * cfg.seq_len * cfg.d_model * e, 4 * b * cfg.seq_len, par.recompute == "full"
     if par.tp == 1:
         return {k: [] for k in ("layer_F", "layer_B", "emb_F", "emb_B", "head_F", "head_B")}
@@ -90,8 +90,8 @@ def tp_comm(cfg, par, b: int, e: int, cpu) -> dict[str, float]:
 
 
 def collective_calls(cfg, est) -> dict[str, int]:
-    """The collectives pipeline rank 0 (the first stage) calls in a step, by kind, as comm.count
-    records them."""
+    """The collectives pipeline rank 0 (the first stage) calls in a step,
+    by kind, as comm.count records them."""
     par, chunks, m = est.par, len(est.layers), est.shares[0]
     places = tp_collectives(cfg, par, est.micro_batch, memory.element_bytes(par.precision))
     calls: dict[str, int] = {}
@@ -121,11 +121,11 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
                   record: list | None = None):
     """Replay a schedule as `pipeline.schedules.replay` does, but with the cores shared: an action
     is `work` seconds of computing (at full speed) then `wait` seconds of collectives; while k ranks
-    of the pipeline compute, each goes at speed(k * copies) (copies: the replicas and TP ranks doing
-    the same).
+    of the pipeline compute, each goes at speed(k * copies) (copies: the
+    replicas and TP ranks doing the same).
     work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting)
-    seconds); record, if given, gets per rank [(action, start, end)] (a `pipeline.Timeline`'s
-    events)."""
+    seconds); record, if given, gets per rank [(action, start, end)]
+    (a `pipeline.Timeline`'s events)."""
     p = len(actions)
     if record is not None:
         record[:] = [[] for _ in range(p)]
@@ -214,8 +214,8 @@ def dp_comm(par, psi: int, tensors: int, units: int, cpu, per: dict) -> float:
 
 def optimizer_time(par, psi: int, full: float, cpu, per: dict) -> float:
     """Seconds of the optimizer step of a rank holding psi parameters, whose whole step (`profile`)
-    takes `full` seconds: that, or with ZeRO its 1/dp share plus the flat copies of (g + p) psi
-    bytes."""
+    takes `full` seconds: that, or with ZeRO its 1/dp share plus the
+    flat copies of (g + p) psi bytes."""
     if par.zero == 0:
         return full
     return full / par.dp + (per["grads"] + per["params"]) * psi / cpu.copy_rate
@@ -289,6 +289,6 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
                  "tp_comm": waiting + sp,
                  "bubble": 0.0, "pp_p2p": 0.0, "dp_comm": dp + loss, "optimizer": opt}
     idle = max(0.0, span - computing - waiting)
-    breakdown["bubble" if p > 1 else "compute"] += idle  # pp = 1: the time-sharing slowdown is
-                                                         #   compute
+    breakdown["bubble" if p > 1 else "compute"] += idle  # pp = 1: the time-sharing
+                                                         #   slowdown is compute
     return sum(breakdown.values()), breakdown, pipeline.Timeline(events)

@@ -2,8 +2,8 @@
 
 `predict.py` composes these pieces into a step time and a memory footprint. Per micro-batch of b
 sequences of s tokens, on one GPU of a stage holding its layers split t ways (t = tp), e bytes a
-16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency (fp32 runs as TF32: half the
-peak):
+16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency
+(fp32 runs as TF32: half the peak):
 
   matmuls, a layer  F = (24 b s h^2 + 4 b s^2 h) / t FLOPs, backward 2F: the model FLOPs of
                     Korthikanti et al. 2022 eq. 7, 72 b s l h^2 (1 + s/(6h) + V/(12 l h)) with the
@@ -24,8 +24,8 @@ peak):
                     overlapped, as in Megatron), + 1 for the embedding (F) and 1 for the head (B).
                     Ring: 2(t-1)/t X/bw + 2(t-1) latency
   PP                one message of X (X/t with SP: each rank sends its sequence shard) per boundary
-                    per micro-batch each way: X/bw + latency, on the slowest link the pipeline
-                    crosses
+                    per micro-batch each way: X/bw + latency, on the
+                    slowest link the pipeline crosses
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
                     the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
                     (overlapped the same way) + all-gather of the updated parameters after the step
@@ -38,8 +38,8 @@ Memory is not here: it is the same on GPUs and CPUs, memory.py's count (predict.
 
 Links: ranks on one node talk over NVLink (intra_*), else over the node's NICs (inter_*, per GPU:
 one NIC each). The grid is minipar's (pp, dp, tp), tp innermost (mesh.py): a TP group spans nodes
-when tp > gpus_per_node, a DP group when dp * tp does, a pipeline when its stages are on different
-nodes.
+when tp > gpus_per_node, a DP group when dp * tp does, a pipeline
+when its stages are on different nodes.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, floa
         out["F"] = {"memory_bound": 3 * s * b * h * w.e / w.hbm, "tp_comm": ar}
     if last:
         logits = 2 * b * s * h * V / t
-        # the logits written and read by the loss (2e), its fp32 log-probabilities (4); ln_f's input
-        # and output
+        # the logits written and read by the loss (2e), its fp32
+        # log-probabilities (4); ln_f's input and output
         traffic = s * b * V / t * (2 * w.e + 4) + 2 * s * b * h * w.e / (t if w.sp else 1)
         out["F"] = _add(out["F"], {"compute": logits / w.rate, "memory_bound": traffic / w.hbm})
         out["B"] = {"compute": (1 if w.split else 2) * logits / w.rate,
@@ -119,8 +119,8 @@ def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, floa
 
 
 def chunk_cost(cfg, w: Work, layers: int, first: bool, last: bool) -> dict[str, dict[str, float]]:
-    """Seconds of one model chunk (its layers, plus the embedding or the head at the ends) per
-    micro-batch."""
+    """Seconds of one model chunk (its layers, plus the embedding or the
+    head at the ends) per micro-batch."""
     layer, ends = layer_cost(cfg, w), ends_cost(cfg, w, first, last)
     return {op: _add({k: layers * v for k, v in layer[op].items()}, ends[op])
             for op in ("F", "B", "W")}
@@ -152,8 +152,8 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
 
 
 def _overlap(total: float, nbytes: float, bucket_mb: float, window: float) -> float:
-    """All buckets but the last hide under `window` (as far as it lasts); the last one is
-    exposed."""
+    """All buckets but the last hide under `window` (as far as it
+    lasts); the last one is exposed."""
     last = total / max(1, math.ceil(nbytes / (bucket_mb * 2 ** 20)))
     return last + max(0.0, total - last - window)
 
@@ -166,8 +166,8 @@ def fit_efficiency(cfg, layer_step: float, micro_batch: int, tp: int, cluster: C
                    sequence_parallel: bool = True, materialized: bool = False,
                    precision: str = "bf16") -> float:
     """The efficiency that makes one layer's forward + backward (no recomputation) take `layer_step`
-    seconds: the matmul FLOPs over the time left once this model's TP and memory-bound time are
-    taken off.
+    seconds: the matmul FLOPs over the time left once this model's
+    TP and memory-bound time are taken off.
 
     Korthikanti Table 4 (22B: a 64, h 6144, s 2048; t = 8, b = 4, SP, Megatron's materialised
     attention, 7.7 + 11.9 ms on A100s) gives the A100's 0.69."""

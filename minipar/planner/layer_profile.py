@@ -1,18 +1,18 @@
-"""The model's own layer, timed: what one rank computes of a micro-batch, for the CPU cost model
-(cpu_time.py).
+"""The model's own layer, timed: what one rank computes of a micro-batch,
+for the CPU cost model (cpu_time.py).
 
 `profile(cfg, b, tp, sp, recompute, precision, threads, mode)` is measured when an estimate first
-needs it (cached per process), in this process with the ranks' thread count, with the real modules
-of a
+needs it (cached per process), in this process with the ranks'
+thread count, with the real modules of a
 training run: tensor_parallel's shards with their collectives replaced by local no-ops (rank 0's
 shapes), recompute, MixedPrecision's autocast, the activation meter, the loss, and the optimizer
 step (MixedPrecision.step: AdamW, with bf16's fp32 masters). Through train's own loop ("plain", pp =
-1) or a one-rank PipelineExecutor ("pipe"; "split": B and W apart, for zb-h1). A GPT of 1 and of 3
-   blocks, median
+1) or a one-rank PipelineExecutor ("pipe"; "split": B and W apart, for
+   zb-h1). A GPT of 1 and of 3 blocks, median
 of 15 micro-steps after two warm-ups:
   layer_*       (3 blocks - 1 block) / 2: forward, backward (B), W, optimizer step
-  emb_*, head_* the embeddings alone, and ln_f + head + loss alone (on a random hidden state), timed
-  apart
+  emb_*, head_* the embeddings alone, and ln_f + head + loss alone
+  (on a random hidden state), timed apart
   action_*      1 block - layer - emb - head: what each action costs besides (the loop's, the
                 executor's)
   ends_w, ends_opt  1 block - layer: W and the optimizer step of the embeddings, ln_f and the head
@@ -52,14 +52,14 @@ class Profile(NamedTuple):
     ends_w: float
     action_fwd: float
     action_bwd: float
-    layer_opt: float      # the optimizer step (MixedPrecision.step) on a layer's parameters, s a
-                          #   step
+    layer_opt: float      # the optimizer step (MixedPrecision.step) on a
+                          #   layer's parameters, s a step
     ends_opt: float       # ... on the embeddings', ln_f's and the head's
 
 
 def _local_tp(t: int, sp: bool):
-    """A TPGroup of size t whose collectives do no communication (rank 0's shapes, local work
-    only)."""
+    """A TPGroup of size t whose collectives do no communication
+    (rank 0's shapes, local work only)."""
     ops = comm.Collectives(all_reduce=lambda x, group=None: x,
                            reduce_scatter=lambda x, group=None: torch.tensor_split(x, t)[0].clone(),
                            all_gather=lambda x, group=None: torch.cat([x] * t))
@@ -73,8 +73,8 @@ def _local_tp(t: int, sp: bool):
 
 
 def _model(cfg, t: int, sp: bool, recompute: str, precision: str):
-    """(model, loss_fn, MixedPrecision) of one TP rank, collectives local (`_local_tp`), as training
-    makes them."""
+    """(model, loss_fn, MixedPrecision) of one TP rank, collectives local
+    (`_local_tp`), as training makes them."""
     torch.manual_seed(0)
     model, loss_fn = GPT(cfg), cross_entropy
     if t > 1:
@@ -86,8 +86,8 @@ def _model(cfg, t: int, sp: bool, recompute: str, precision: str):
 
 
 def _median_ops(step, reps: int) -> dict[str, float]:
-    """Median seconds of each op over `reps` calls of step() -> {op: seconds}, after two
-    warm-ups."""
+    """Median seconds of each op over `reps` calls of step() ->
+    {op: seconds}, after two warm-ups."""
     for _ in range(2):
         step()
     runs = [step() for _ in range(reps)]
@@ -165,10 +165,10 @@ def _ends(cfg, b: int, t: int, sp: bool, precision: str, reps: int) -> dict[str,
 def profile(cfg, b: int, t: int, sp: bool, recompute: str, precision: str, threads: int,
             mode: str = "plain",
             reps: int = 15) -> Profile:
-    """One rank's compute per micro-batch of `cfg` (module docstring), timed here with `threads`
-    threads.
-    mode: "plain" (pp = 1), "pipe" (through the pipeline executor), "split" (its B and W, for
-    zb-h1)."""
+    """One rank's compute per micro-batch of `cfg` (module docstring),
+    timed here with `threads` threads.
+    mode: "plain" (pp = 1), "pipe" (through the pipeline executor),
+    "split" (its B and W, for zb-h1)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -179,8 +179,8 @@ def profile(cfg, b: int, t: int, sp: bool, recompute: str, precision: str, threa
     finally:
         torch.set_num_threads(before)
     layer = {op: max(three[op] - one[op], 0.0) / 2 for op in one}
-    rest = {op: max(one[op] - layer[op], 0.0) for op in one}  # the ends and each action's own
-                                                              #   overhead
+    rest = {op: max(one[op] - layer[op], 0.0) for op in one}  # the ends and each action's
+                                                              #   own overhead
     emb_f, head_f = (min(ends[k], rest["F"]) for k in ("emb_F", "head_F"))
     emb_b, head_b = (min(ends[k], rest["B"]) for k in ("emb_B", "head_B"))
     return Profile(layer["F"], layer["B"], layer["W"], emb_f, emb_b, head_f, head_b, rest["W"],

@@ -1,12 +1,12 @@
-"""The planner: a layout's step time and memory on a cluster (`estimate`), and a search over layouts
-(`plan`).
+"""The planner: a layout's step time and memory on a cluster (`estimate`),
+and a search over layouts (`plan`).
 
     step      = makespan of the pipeline schedule, simulated by `pipeline.simulate` with each
               chunk's
                 F, B, W costs (gpu_time.py) and each message's p2p time  +  exposed DP/ZeRO time  +
                 optimizer
-    breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy
-    time)
+    breakdown = the busiest pipeline rank's compute, recompute,
+    memory_bound, tp_comm (its busy time)
                 + bubble (makespan with free messages - busy) + pp_p2p (what the messages add)
                 + dp_comm + optimizer; the terms sum to the step time
     FLOPs     model FLOPs, Korthikanti et al. 2022 eq. 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) a
@@ -32,8 +32,8 @@ micro_batch) micro-batches (par.microbatches is replaced by it). A layout may us
 the cluster has (the first par.world ranks); `plan` always uses them all. `estimate` is
 `split_layout` (validate, split layers and micro-batches, size the memory) then `time_layout` (the
 step time); `plan` runs the second only on layouts that fit. `time_layout` is the one place that
-chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
-gpu_time.py.
+chooses the time model: a Cluster with a CPU calibration is timed
+by cpu_time.py, any other by gpu_time.py.
 
 Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one efficiency, 0.69, from their
 Table 4; tests/test_planner.py), seconds a step, predicted / published:
@@ -42,8 +42,8 @@ Table 4; tests/test_planner.py), seconds a step, predicted / published:
     full recompute   22B 1.33 / 1.42 (-7%)   175B 17.8 / 18.13 (-2%)   530B 53.7 / 49.05 (+10%)  1T
                      101 / 94.42 (+7%)
 The sign flips with size: the larger the matrices, the closer to peak Megatron's matmuls ran, which
-one efficiency cannot follow (the 530B and 1T last stages also carry the logits, 7-8% of their
-work).
+one efficiency cannot follow (the 530B and 1T last stages also
+carry the logits, 7-8% of their work).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
@@ -85,8 +85,8 @@ class Estimate:
     model_flops: float = 0.0
     # the slowest replica's pipeline as timed (the DP and optimizer time after it left out), kept as
     # simulated: a Timeline in units of `time_unit` seconds, shared with every layout of the same
-    # proportions (`_simulate`); on a CPU cluster cpu_time's replay with the cores shared, in
-    # seconds
+    # proportions (`_simulate`); on a CPU cluster cpu_time's replay
+    # with the cores shared, in seconds
     simulated: pipeline.Timeline | None = field(default=None, repr=False)
     time_unit: float = 1.0
 
@@ -148,8 +148,8 @@ def _validate(cfg, par, cluster, global_batch: int, micro_batch: int) -> Paralle
     if not isinstance(global_batch, int) or global_batch % (par.dp * micro_batch):
         raise ValueError(f"global_batch ({global_batch}) must divide by dp * micro_batch "
                          f"({par.dp} * {micro_batch})")
-    m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the batch sizes decide
-                                                #   it
+    m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the
+                                                #   batch sizes decide it
     if par.world > cluster.world:
         raise ValueError(f"the layout needs dp * tp * pp = {par.world} GPUs, the cluster has "
                          f"{cluster.world}")
@@ -193,8 +193,8 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, p, max(shares), par.virtual_stages))
     mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
-    for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers out of full
-                                                           #   stages
+    for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers
+                                                           #   out of full stages
         free = [capacity[r] - sum(mem[r].values()) for r in range(p)]
         worst, best = free.index(min(free)), free.index(max(free))
         donor = next((c for c in range(worst, chunks, p) if layers[c] > 1), None)
@@ -296,7 +296,7 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     """Predicted memory (fullest GPU) and step time of layout `par` on `cluster` (module docstring).
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the
-    activations then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is
-    recomputed)."""
+    activations then hold Korthikanti's 5 a s^2 b / t bytes a layer
+    more when nothing is recomputed)."""
     est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention)
     return time_layout(cfg, est, attention)

@@ -33,8 +33,8 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
     """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all
     of cluster.world; tp <= gpus_per_node dividing the heads; ZeRO > 0 only with dp > 1, ZeRO-3 only
-    without pp; sequence parallel whenever tp > 1 (it only saves), except with ZeRO-3
-    (config.py)."""
+    without pp; sequence parallel whenever tp > 1 (it only saves),
+    except with ZeRO-3 (config.py)."""
     world = cluster.world
     for tp in _divisors(world):
         if tp > cluster.gpus_per_node or cfg.n_head % tp or cfg.vocab_size % tp:
@@ -123,8 +123,8 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
 
 
 def explain(estimates: list[Estimate], top: int = 5) -> str:
-    """Why the winner wins: for each runner-up, the breakdown term that costs it most against the
-    winner."""
+    """Why the winner wins: for each runner-up, the breakdown term that
+    costs it most against the winner."""
     if not estimates:
         return "no estimates"
     best = estimates[0]
@@ -145,8 +145,8 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
 
 
 def format_table(estimates: list[Estimate], top: int = 10) -> str:
-    """The ranked estimates as a text table: layout, step time, TFLOP/s, MFU, memory, and the
-    breakdown (s)."""
+    """The ranked estimates as a text table: layout, step time, TFLOP/s,
+    MFU, memory, and the breakdown (s)."""
     heads = ["#", "layout", "step s", "TFLOP/s", "MFU", "GiB"] + list(TERMS)
     rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
              f"{e.total_memory / GiB:.1f}"] + [f"{e.breakdown[k]:.3g}" for k in TERMS]
