@@ -6,8 +6,8 @@ alike. A repetition is timed per rank from a barrier to the end of the call, and
 slowest rank's. The whole job is launched several times (fresh processes each time: on a machine
 with more threads than cores, where the scheduler happens to put them can slow a whole launch down).
 Times are medians over every repetition of every launch; the ratio is the median of minipar/torch
-over pairs of repetitions run back to back, and "ratio per launch" the range of that median launch
-by launch.
+over pairs of repetitions run back to back, and "ratio per launch"
+the range of that median launch by launch.
 
     bus bandwidth = size / time * 2(N-1)/N   (what each link carries in a ring; nccl-tests' "busbw")
 """
@@ -118,8 +118,8 @@ def worker(sizes: list[int], reps: int, warmup: int) -> list[dict]:
 
 
 def summarise(world: int, runs: list[list[list[dict]]]) -> list[dict]:
-    """One row per size from every launch (runs[launch][rank][size index]): medians and
-    bandwidth."""
+    """One row per size from every launch (runs[launch][rank][size
+    index]): medians and bandwidth."""
     rows = []
     for i, size in enumerate(r["size"] for r in runs[0][0]):
         row, per_launch = {"world": world, "size": size}, {}
@@ -129,8 +129,8 @@ def summarise(world: int, runs: list[list[list[dict]]]) -> list[dict]:
                                 for by_rank in runs]
             t = statistics.median(t for launch in per_launch[name] for t in launch)
             row[f"{name}_s"], row[f"{name}_busbw"] = t, size / t * 2 * (world - 1) / world
-        # the ratio pairs each repetition of minipar with torch's next to it (same launch, same
-        # moment)
+        # the ratio pairs each repetition of minipar with torch's next
+        # to it (same launch, same moment)
         ratios = [[m / t for m, t in zip(ms, ts)] for ms,
                   ts in zip(per_launch["minipar"], per_launch["torch"])]
         row["ratio"] = statistics.median(r for launch in ratios for r in launch)

@@ -1,5 +1,5 @@
-"""What the step-time benchmarks (ddp, zero, tp, pp) share: their timing options and the commit they
-ran at."""
+"""What the step-time benchmarks (ddp, zero, tp, pp) share: their timing
+options and the commit they ran at."""
 from __future__ import annotations
 
 import os
@@ -24,8 +24,8 @@ def add_timing_arguments(parser, defaults: dict) -> None:
 
 
 def settings(defaults: dict, args=None, overrides: dict | None = None) -> dict:
-    """A benchmark's settings: `defaults`, then parsed `args` (bench/run.py), then keyword
-    `overrides`."""
+    """A benchmark's settings: `defaults`, then parsed `args`
+    (bench/run.py), then keyword `overrides`."""
     given = {k: v for k, v in (vars(args) if args else {}).items() if k in defaults}
     return {**defaults, **given, **(overrides or {})}
 
@@ -41,8 +41,8 @@ def launch_rounds(worlds, launches: int, start) -> dict[int, list]:
 
 
 def start(out_dir) -> tuple[pathlib.Path, tuple[float, float]]:
-    """Before a run: its output folder (made) and what `footer` needs (the load average, the
-    time)."""
+    """Before a run: its output folder (made) and what `footer`
+    needs (the load average, the time)."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(exist_ok=True)
     return out_dir, (os.getloadavg()[0], time.perf_counter())
@@ -63,8 +63,8 @@ def footer(threads: int, since: tuple[float, float], command: str) -> str:
 
 def ratios(slowest: list[dict], ours: str, theirs: str) -> dict:
     """ours / theirs step by step, from per launch {variant: each repetition's slowest-rank time}
-    (`minipar.lessons.demos.slowest_rank`): the median of every ratio, and the lowest and highest
-    launch's median."""
+    (`minipar.lessons.demos.slowest_rank`): the median of every ratio, and
+    the lowest and highest launch's median."""
     per_launch = [[a / b for a, b in zip(launch[ours], launch[theirs])] for launch in slowest]
     medians = [statistics.median(launch) for launch in per_launch]
     return dict(ratio=statistics.median(r for launch in per_launch for r in launch),
@@ -73,8 +73,8 @@ def ratios(slowest: list[dict], ours: str, theirs: str) -> dict:
 
 
 def version() -> str:
-    """The commit the code ran at ("-dirty": with uncommitted changes), or "?" outside a git
-    checkout."""
+    """The commit the code ran at ("-dirty": with uncommitted changes),
+    or "?" outside a git checkout."""
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                               text=True,

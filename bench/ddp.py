@@ -185,6 +185,6 @@ def plot(rows: dict[int, list[dict]], s: dict, path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # python bench/ddp.py [options], the same as python bench/run.py ddp
-                            #   [options]
+if __name__ == "__main__":  # python bench/ddp.py [options], the same as python
+                            #   bench/run.py ddp [options]
     main(sys.modules[__name__])

@@ -1,5 +1,5 @@
-"""The GPU check of the scale-up issue: gpt2-medium and gpt2-large, bf16, one GPU, the full minipar
-path.
+"""The GPU check of the scale-up issue: gpt2-medium and gpt2-large,
+bf16, one GPU, the full minipar path.
 
     python bench/gpu_check.py            # on a machine with one CUDA GPU (an H200 in the issue)
 

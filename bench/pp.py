@@ -1,13 +1,13 @@
-"""minipar's PipelineExecutor against torch.distributed.pipelining: step time per schedule, fp32,
-gloo.
+"""minipar's PipelineExecutor against torch.distributed.pipelining:
+step time per schedule, fp32, gloo.
 
 One launch per world size p runs every variant side by side in the same p worker processes. Each
 variant builds its own copy of the same GPT (seed 0, the full single-device init, then cut with
 `chunks_for_rank`: chunk k of p·v on rank k % p, Megatron's placement, which PyTorch's interleaved
 schedules use too) and runs the same m micro-batches of the same batch, loss = mean over
 micro-batches of `minipar.model.cross_entropy`. PyTorch's stages are `PipelineStage`s around the
-very same `Chunk` modules (static shapes given), its schedules built with that loss and
-scale_grads=True:
+very same `Chunk` modules (static shapes given), its schedules built
+with that loss and scale_grads=True:
 
   schedule          minipar (PipelineExecutor + schedules.schedule)   PyTorch
   gpipe             "gpipe"                                            ScheduleGPipe
@@ -40,8 +40,8 @@ way around its stages' forward_one_chunk / backward_one_chunk / backward_weight_
 with a timer; the loss is then outside F, and a receive is waited before the call). "sim F=B": the
 simulated bubble of minipar's schedule with equal F and B costs per micro-batch and rank (B = W =
 F/2 when split); "sim measured": the simulation with minipar's own median F, B, W times per chunk,
-i.e. what its executor would reach with free communication. "busy": the slowest rank's time inside
-actions.
+i.e. what its executor would reach with free communication. "busy":
+the slowest rank's time inside actions.
 """
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ class _Torch:
         self.first, self.last, self.events = 0 in chunks, n - 1 in chunks, []
         stages = []
         for k, chunk in sorted(chunks.items()):
-            # static shapes; floats must require grad, or the stage plans no gradient message for
-            # them
+            # static shapes; floats must require grad, or the stage
+            # plans no gradient message for them
             x = torch.zeros(rows, s, dtype=torch.long) if k == 0 else \
                 torch.zeros(rows, s, h, requires_grad=True)
             y = torch.zeros(rows, s, cfg.vocab_size if k == n - 1 else h, requires_grad=True)
@@ -175,8 +175,8 @@ class _Torch:
 
 
 def _reference(cfg: GPTConfig, xs, ys) -> tuple[float, dict]:
-    """The single-device loss and gradients of the same step: mean over micro-batches, full
-    model."""
+    """The single-device loss and gradients of the same step: mean
+    over micro-batches, full model."""
     torch.manual_seed(0)
     model = GPT(cfg)
     loss = sum(cross_entropy(model(x), y) for x, y in zip(xs, ys)) / len(xs)
@@ -187,8 +187,8 @@ def _reference(cfg: GPTConfig, xs, ys) -> tuple[float, dict]:
 def worker(cfg: GPTConfig, rows: int, m: int, reps: int, warmup: int, threads: int) -> dict:
     """On every rank: {"step": {variant: [seconds]}, "events": {variant: [per-rep timeline]},
     "loss": {variant: first loss (last rank) or None}, "grad_diff": {variant: largest relative
-    gradient difference with the reference on this rank}, "ref_loss", "errors": {variant: why it did
-    not run}}."""
+    gradient difference with the reference on this rank}, "ref_loss",
+    "errors": {variant: why it did not run}}."""
     if threads:
         torch.set_num_threads(threads)
     x, y = data.global_batch("synthetic", 0, rows * m, cfg.seq_len, cfg.vocab_size)
@@ -201,8 +201,8 @@ def worker(cfg: GPTConfig, rows: int, m: int, reps: int, warmup: int, threads: i
         try:
             run = (_Minipar if name.startswith("minipar/") else _Torch)(name, cfg, rows, m)
             loss = run.step(xs, ys)
-        except Exception as e:  # a schedule that cannot run here: reported and skipped (it must
-                                #   fail
+        except Exception as e:  # a schedule that cannot run here: reported
+                                #   and skipped (it must fail
             # before a rank waits on a peer)
             errors[name] = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         failed = torch.tensor([float(name in errors)])
@@ -239,8 +239,8 @@ def worker(cfg: GPTConfig, rows: int, m: int, reps: int, warmup: int, threads: i
 def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write pp.md and pp.png to out_dir; return the markdown table.
 
-    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from
-    Python.
+    run(args, out_dir) with parsed arguments (bench/run.py), or
+    run(worlds=(2,), reps=4) from Python.
     """
     import pp_report as report  # here, not at the top: it reads PAIRS from this module
 
@@ -280,6 +280,6 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     return f"{setup}\n\n{checks}\n\n{md}\n\n{verdict}\n\n{ops}\n\n{report.notes(rows, launches)}"
 
 
-if __name__ == "__main__":  # python bench/pp.py [options], the same as python bench/run.py pp
-                            #   [options]
+if __name__ == "__main__":  # python bench/pp.py [options], the same as python
+                            #   bench/run.py pp [options]
     main(sys.modules[__name__])

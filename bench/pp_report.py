@@ -15,8 +15,8 @@ LOSS_TOL = 1e-5
 
 
 def _bubble_and_busy(by_rank: list[dict], name: str) -> tuple[list[float], list[float]]:
-    """Per repetition: the measured bubble (all ranks' events on one clock) and the busiest rank's
-    busy time."""
+    """Per repetition: the measured bubble (all ranks' events on one clock)
+    and the busiest rank's busy time."""
     out = ([], [])
     for rep in range(len(by_rank[0]["events"][name])):
         tl = Timeline.from_events([r["events"][name][rep] for r in by_rank])
@@ -125,8 +125,8 @@ def table(rows: list[dict]) -> str:
 
 def op_times(runs: list[list[dict]], name: str) -> dict:
     """Median milliseconds of each op over every timed action of `name`, {(op, "first" | "rest"):
-    ms}: chunk 0 apart, since both runtimes treat the first chunk's backward specially (it sends
-    nothing)."""
+    ms}: chunk 0 apart, since both runtimes treat the first chunk's
+    backward specially (it sends nothing)."""
     times = {}
     for by_rank in runs:
         for rank in by_rank:
@@ -147,7 +147,6 @@ def op_table(launches: dict) -> str:
                 continue
             t = op_times(runs, name)
             get = lambda op, where: t.get((op, where), 0.0)  # noqa: E731
-            # noqa: E731
             cell = lambda op, where: f"{t[op, where]:.1f}" if (op, where) in t else "—"
             lines.append(f"| {world} | {name} | {get('F', 'rest'):.1f} | {cell('B', 'first')} | "
                          f"{cell('W', 'first')} "
@@ -218,8 +217,8 @@ def notes(rows: list[dict], launches: dict) -> str:
 
 
 def plot(rows: list[dict], s: dict, path) -> None:
-    """Step time (minipar beside PyTorch) and bubble (measured beside simulated), by world and
-    schedule."""
+    """Step time (minipar beside PyTorch) and bubble (measured beside
+    simulated), by world and schedule."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

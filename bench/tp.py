@@ -1,5 +1,5 @@
-"""minipar's Megatron tensor parallelism against PyTorch's DTensor TP: training step time, fp32,
-gloo.
+"""minipar's Megatron tensor parallelism against PyTorch's DTensor
+TP: training step time, fp32, gloo.
 
 One launch per world size t runs every variant side by side in the same t worker processes, each
 with its own copy of the same model (same seed, the full single-device init, then cut), the same
@@ -142,13 +142,13 @@ class _Run:
         self.optimizer.zero_grad()
 
     def local_grads(self) -> dict[str, torch.Tensor]:
-        """This rank's gradient of each parameter, as the shard it holds (DTensor's in the param's
-        layout)."""
+        """This rank's gradient of each parameter, as the shard it holds
+        (DTensor's in the param's layout)."""
         out = {}
         for name, p in self.model.named_parameters():
             g = p.grad
-            if hasattr(g, "to_local"):  # e.g. the embedding's comes back Replicate for a Shard(0)
-                                        #   weight
+            if hasattr(g, "to_local"):  # e.g. the embedding's comes back Replicate
+                                        #   for a Shard(0) weight
                 g = g.redistribute(placements=p.placements).to_local()
             out[name] = g.detach().clone()
         return out
@@ -224,8 +224,8 @@ def worker(cfg: GPTConfig, batch: int, reps: int, warmup: int, threads: int) -> 
 def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write tp.md and tp.png to out_dir; return the markdown table.
 
-    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from
-    Python.
+    run(args, out_dir) with parsed arguments (bench/run.py), or
+    run(worlds=(2,), reps=4) from Python.
     """
     import tp_report as report  # here, not at the top: it reads VARIANTS from this module
 
@@ -269,6 +269,6 @@ def _quiet(rank: int, line: str) -> bool:
     return "profiler_st" in line
 
 
-if __name__ == "__main__":  # python bench/tp.py [options], the same as python bench/run.py tp
-                            #   [options]
+if __name__ == "__main__":  # python bench/tp.py [options], the same as python
+                            #   bench/run.py tp [options]
     main(sys.modules[__name__])

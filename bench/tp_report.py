@@ -16,7 +16,6 @@ LOSS_TOL = 1e-5
 def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
     """One row per variant from every launch (runs[launch][rank] = worker's result)."""
     slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
-    # noqa: E731
     every = lambda phase, name: [t for by_rank in runs for r in by_rank for t in r[phase][name]]
     rows = []
     for name in VARIANTS:

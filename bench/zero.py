@@ -1,5 +1,5 @@
-"""minipar ZeRO against PyTorch's: ZeRO-3 vs FSDP2, ZeRO-1 vs ZeroRedundancyOptimizer over DDP;
-fp32, gloo.
+"""minipar ZeRO against PyTorch's: ZeRO-3 vs FSDP2, ZeRO-1 vs
+ZeroRedundancyOptimizer over DDP; fp32, gloo.
 
 Six variants train the same model (same seed) on the same fixed batch, in the same worker processes:
 
@@ -10,8 +10,8 @@ Six variants train the same model (same seed) on the same fixed batch, in the sa
                                itself
   ddp+zero-r                   torch DDP (default buckets) +
                                torch.distributed.optim.ZeroRedundancyOptimizer
-                               around AdamW: PyTorch's ZeRO-1 (DDP all-reduces, ZeRO-R shards the
-                               state)
+                               around AdamW: PyTorch's ZeRO-1 (DDP all-reduces,
+                               ZeRO-R shards the state)
 
 All use AdamW(lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only). Step time: a repetition
 runs one step of each variant (forward, backward, gradient sync, optimizer step, zero_grad) from a
@@ -138,8 +138,8 @@ class _Run:
 
 
 def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
-    """This rank's bytes in one steady step: {"peak", "after_forward", "between", "gathered"}
-    (docstring)."""
+    """This rank's bytes in one steady step: {"peak", "after_forward",
+    "between", "gathered"} (docstring)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     gc.collect()
@@ -163,10 +163,10 @@ def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
         loss.backward()
         del loss
         run.step()
-        time.sleep(0.05)  # gloo's worker thread drops its reference to a finished collective's
-                          #   tensors
-        dist.barrier()    # a moment after the caller's wait returns: let it, or "between" may count
-                          #   them
+        time.sleep(0.05)  # gloo's worker thread drops its reference to a
+                          #   finished collective's tensors
+        dist.barrier()    # a moment after the caller's wait returns: let it,
+                          #   or "between" may count them
         out = dict(peak=total("peak"), after_forward=after_forward, between=total("current"),
                    gathered=gathered)
     for hook in hooks:
@@ -197,8 +197,8 @@ def _watch_parameter_storages(model):
 
 def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory: bool) -> dict:
     """On every rank: {"step", "opt": {variant: [seconds of each timed step, of its run.step()]},
-    "losses": {variant: [loss of every step]}, "memory": {variant: _measure_memory's} (if
-    memory)}."""
+    "losses": {variant: [loss of every step]}, "memory": {variant:
+    _measure_memory's} (if memory)}."""
     # FSDP2 on our logits: no in-place
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     # MemTracker on None grads
@@ -242,8 +242,8 @@ def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory:
 def run(args=None, out_dir=RESULTS, **overrides) -> str:
     """Run the comparison; write zero.md and zero.png to out_dir; return the markdown table.
 
-    run(args, out_dir) with parsed arguments (bench/run.py), or run(worlds=(2,), reps=4) from
-    Python.
+    run(args, out_dir) with parsed arguments (bench/run.py), or
+    run(worlds=(2,), reps=4) from Python.
     """
     import zero_report as report  # here, not at the top: it reads VARIANTS from this module
 
@@ -275,6 +275,6 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     return f"{setup}\n\n{md}\n\n{verdict}"
 
 
-if __name__ == "__main__":  # python bench/zero.py [options], the same as python bench/run.py zero
-                            #   [options]
+if __name__ == "__main__":  # python bench/zero.py [options], the same as python
+                            #   bench/run.py zero [options]
     main(sys.modules[__name__])

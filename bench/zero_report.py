@@ -116,8 +116,8 @@ def findings(rows: list[dict], cfg: GPTConfig) -> str:
 
 
 def plot(rows: list[dict], s: dict, path) -> None:
-    """Step time and peak memory by variant and world (memory: the part held between steps
-    hatched)."""
+    """Step time and peak memory by variant and world (memory: the
+    part held between steps hatched)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

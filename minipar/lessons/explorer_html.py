@@ -5,8 +5,8 @@ thread, in any kernel, without a frontend's display machinery.
     summary(est, best)      the estimate as a line of HTML, and as JSON in `data-estimate` (for
                             browser tests)
     ab(a, b)                layout A beside B: step, MFU, memory and each term, with B / A
-    plots(est, best, pinned) the knobs' step-time bars beside the winner's and A's, memory per stage,
-                            the simulated pipeline
+    plots(est, best, pinned) the knobs' step-time bars beside the winner's and A's, memory per
+                            stage, the simulated pipeline
     ranking(estimates)      the plan as a table, and why each runner-up loses
     measured(est, result)   a "Run here" run beside the prediction: memory per rank, the step, the
                             pipeline
