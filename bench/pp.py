@@ -123,8 +123,8 @@ class _Minipar:
         self.events = []
 
     def step(self, xs, ys) -> float:
-        loss, timeline = self.pipe.step(xs, ys)
-        self.events = [(tuple(a), s, e) for a, s, e in timeline]
+        loss, events = self.pipe.step(xs, ys)
+        self.events = [(tuple(a), s, e) for a, s, e in events]
         return loss
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from minipar.pipeline.schedules import validate
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -180,9 +182,7 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.stage_layers {self.stage_layers} must sum to the "
                              "model's n_layer "
                              f"({cfg.n_layer}), not {sum(self.stage_layers)}")
-        if self.pp > 1:  # the schedule's own rules (micro-batches a schedule
-                         #   needs...), named for this config
-            from minipar.pipeline.schedules import validate
+        if self.pp > 1:  # the schedule's own rules (the micro-batches it needs...), named here
             try:
                 validate(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ValueError as e:

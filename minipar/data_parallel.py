@@ -69,7 +69,7 @@ class DataParallelNaive:
         self.size = dist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sync = True
-        self.timeline: list[tuple[str, float, float]] = []  # (what, start, end),
+        self.spans: list[tuple[str, float, float]] = []  # (what, start, end),
                                                             #   perf_counter seconds
         self.buckets: list[_Bucket] = []
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
@@ -83,7 +83,7 @@ class DataParallelNaive:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.reduce([p.grad for p in self.params])
-        self.timeline.append(("wait", start, time.perf_counter()))
+        self.spans.append(("wait", start, time.perf_counter()))
 
     def reduce(self, grads: list[torch.Tensor]) -> None:
         """Average each tensor of `grads` over the group, in place, one all-reduce each (mixed
@@ -118,7 +118,7 @@ class DataParallelNaive:
         def timed():
             start = time.perf_counter()
             comm.all_reduce(tensor, self.group, self.stats, self.scratch)
-            self.timeline.append((what, start, time.perf_counter()))
+            self.spans.append((what, start, time.perf_counter()))
         return self._executor.submit(timed)
 
     @staticmethod
@@ -184,7 +184,7 @@ class DataParallelBucket(DataParallelNaive):
                     p.grad.copy_(bucket.slice(i).view_as(p))
             bucket.arrived.clear()
         self._next = 0
-        self.timeline.append(("wait", start, time.perf_counter()))
+        self.spans.append(("wait", start, time.perf_counter()))
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.work = self._all_reduce(bucket.buffer, f"bucket {self.buckets.index(bucket)}")

@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from minipar.data import CharTokenizer
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -160,7 +162,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sample(model: GPT, prompt: str, length: int, temperature: float = 0.8, seed: int = 0) -> str:
     """Continue `prompt` by `length` characters, sampling from the model (character tokenizer)."""
-    from minipar.data import CharTokenizer
     tok, gen = CharTokenizer(), torch.Generator().manual_seed(seed)
     model.eval()
     idx = tok.encode(prompt)[None].to(next(model.parameters()).device)  # (1, T)

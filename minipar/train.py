@@ -51,10 +51,9 @@ class TrainResult:
                                         #   analytic model
     comm_bytes: list[dict]              # by rank: {collective or p2p kind: bytes sent}
     comm_calls: list[dict]              # by rank: {collective kind: calls made}
-    # by rank: (what, start, end) in
-    timelines: list[list] = field(default_factory=list, repr=False)
-                                        #   perf_counter seconds: forward, backward, buckets, wait
-                                        #   (dp > 1)
+    # by rank: (what, start, end) in perf_counter seconds, what a pipeline's Action (its last step),
+    # or with dp > 1 "forward", "backward", a bucket or "wait" (every step)
+    spans: list[list] = field(default_factory=list, repr=False)
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights, if asked
 
     def summary(self) -> str:
@@ -73,7 +72,7 @@ class RankResult:
                                         #   activations' peak over the run (CUDA: + the allocator's)
     comm: dict                          # {collective or "p2p": bytes sent over the steps}
     calls: dict                         # {collective or "p2p": calls made over the steps}
-    timeline: list = field(repr=False)  # the last step's pipeline actions, or DP's spans:
+    spans: list = field(repr=False)     # the last step's pipeline actions, or DP's spans:
                                         #   (what, start, end) in perf_counter seconds
     device: str = "cpu"
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights (rank 0)
@@ -142,7 +141,7 @@ def _merge(ranks: list[RankResult], cfg, par, global_batch: int) -> TrainResult:
         tokens_per_s=global_batch * cfg.seq_len / step,
         mfu=cfg.flops_per_token * global_batch * cfg.seq_len / step / peak,
         peak_memory=[r.memory for r in ranks], comm_bytes=[r.comm for r in ranks],
-        comm_calls=[r.calls for r in ranks], timelines=[r.timeline for r in ranks],
+        comm_calls=[r.calls for r in ranks], spans=[r.spans for r in ranks],
         state_dict=ranks[0].state_dict, predicted_memory=_predicted(cfg, par, global_batch))
 
 
@@ -168,14 +167,14 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
                       stats=stats, after_compute=after_compute, resumed=resumed)
     rows = _rows(par, mesh, global_batch)
     meter, clock = memory.ActivationMeter(), _Clock(device)
-    losses, step_times, mem, timeline = [], [], {}, None
+    losses, step_times, mem, spans = [], [], {}, None
     first = resumed["steps_done"] if resumed else 0
     for step in range(first, steps):
         clock.start()
         # the batch: this step's global batch, the same for every layout
         x, y = dataset.global_batch(data, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
         # forward and backward of this rank's micro-batches (with pp > 1 in the schedule's order)
-        loss, timeline = _forward_backward(run, par, mesh, x, y, rows, device, meter, after_compute)
+        loss, spans = _forward_backward(run, par, mesh, x, y, rows, device, meter, after_compute)
         # gradient sync and optimizer step, before any other collective (ZeRO-3 may be reducing)
         run.sync_and_step()
         # metrics: the global mean loss; memory at the first step (grads held, optimizer state new)
@@ -197,8 +196,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
         mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
     state = _final_weights(run, mesh) if return_state else None
     run.close()
-    timeline = timeline or (run.dp.timeline if run.dp else [])
-    return RankResult(losses, step_times, mem, sent, calls, timeline, device,
+    spans = spans or (run.dp.spans if run.dp else [])
+    return RankResult(losses, step_times, mem, sent, calls, spans, device,
                       state if mesh.rank == 0 else None)
 
 
@@ -246,7 +245,7 @@ def _rows(par, mesh, global_batch: int) -> tuple[int, int, float]:
 
 def _forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_compute):
     """Forward and backward of this rank's micro-batches of (x, y); returns (the loss summed over
-    them, the pipeline's timeline of the step or None). rows: `_rows`."""
+    them, the pipeline's (action, start, end) events of the step, or None). rows: `_rows`."""
     start, count, weight = rows
     if not run.pipe:
         return _accumulate(run, x, y, par, rows, device, meter, after_compute), None
@@ -254,8 +253,8 @@ def _forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after
                 for mb in range(par.microbatches)] for t in (x, y)]
     with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
         scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * weight
-        loss_sum, timeline = run.pipe.step(*batches, loss_scale=scale)
-    return _sum_over(loss_sum, mesh.pp_group), timeline  # the last stage has it, the others 0
+        loss_sum, events = run.pipe.step(*batches, loss_scale=scale)
+    return _sum_over(loss_sum, mesh.pp_group), events  # the last stage has it, the others 0
 
 
 def _final_weights(run: Parallel, mesh) -> dict:
@@ -309,8 +308,8 @@ def _accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=Non
         meter.release()
         if after_compute:
             after_compute(time.perf_counter() - t0)
-        if dp:  # the compute half of the timeline; dp records the communication
-            dp.timeline += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
+        if dp:  # the compute half of the spans; dp records the communication
+            dp.spans += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
         loss_sum += loss.item()
     return loss_sum
 

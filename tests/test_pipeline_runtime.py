@@ -91,13 +91,13 @@ def assert_same(ranks, optim="adamw", rtol=1e-5):
 
 
 def assert_traffic(ranks, plan, n_chunks):
-    """One timeline entry per action, in order; p2p bytes 2 (n-1) m b s h 4 per step in all."""
+    """One event per action, in order; p2p bytes 2 (n-1) m b s h 4 per step in all."""
     p, act = len(plan), (BATCH // M) * TINY.seq_len * TINY.d_model * 4
     for r, rank in enumerate(ranks):
-        for timeline in rank["timelines"]:
-            assert [a for a, _, _ in timeline] == list(plan[r])
-            assert all(s <= e for _, s, e in timeline) and all(e0 <= s1 for (_, _, e0), (_, s1, _)
-                                                               in zip(timeline, timeline[1:]))
+        for events in rank["events"]:
+            assert [a for a, _, _ in events] == list(plan[r])
+            assert all(s <= e for _, s, e in events) and all(e0 <= s1 for (_, _, e0), (_, s1, _)
+                                                               in zip(events, events[1:]))
         mine = range(r, n_chunks, p)
         sends = 0 if p == 1 else sum((k < n_chunks - 1) + (k > 0) for k in mine)  # out forward, grad back
         assert rank["bytes"] == STEPS * sends * M * act and rank["calls"] == STEPS * sends * M

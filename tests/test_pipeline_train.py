@@ -40,7 +40,7 @@ def test_every_schedule_equals_the_single_process_run(par, reference):
     boundaries = par.pp * par.virtual_stages - 1
     total = sum(r.get("p2p", 0) for r in res.comm_bytes) / (par.dp * par.tp)
     assert total == STEPS * 2 * boundaries * par.microbatches * b * s * h * 4
-    assert {len(t) for t in res.timelines} == {2 * par.microbatches * par.virtual_stages * (1 + (par.schedule == "zb-h1") / 2)}
+    assert {len(t) for t in res.spans} == {2 * par.microbatches * par.virtual_stages * (1 + (par.schedule == "zb-h1") / 2)}
     for predicted, measured in zip(res.predicted_memory, res.peak_memory):  # each stage's share, the
         extra = measured.pop("optimizer") - predicted.pop("optimizer")    # schedule's activation peak
         assert predicted == measured and 0 <= extra <= 8 * len(res.state_dict)  # + Adam's step counters

@@ -25,20 +25,20 @@ def train_pipeline(cfg, plan, virtual, steps, batch, optim="adamw", lr=1e-3, pp_
     optimizer = make_opt(model, optim, lr)
     sent = comm.CommStats()
     ex = PipelineExecutor(chunks, plan, (batch // m, cfg.seq_len, cfg.d_model), group, stats=sent)
-    losses, grads, timelines = [], None, []
+    losses, grads, events = [], None, []
     for step in range(steps):
         x, y = dataset.global_batch("synthetic", step, batch, cfg.seq_len, cfg.vocab_size, 0)
         inputs = [dataset.shard(x, 0, 1, j, m) for j in range(m)]
         targets = [dataset.shard(y, 0, 1, j, m) for j in range(m)]
-        loss, timeline = ex.step(inputs, targets)
+        loss, step_events = ex.step(inputs, targets)
         if step == 0:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss)
-        timelines.append(timeline)
+        events.append(step_events)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    return dict(losses=losses, grads=grads, state=state, timelines=timelines, peak=ex.peak_in_flight,
+    return dict(losses=losses, grads=grads, state=state, events=events, peak=ex.peak_in_flight,
                 bytes=sent.bytes_sent["p2p"], calls=sent.calls["p2p"])
 
 

@@ -378,7 +378,7 @@ def tp_mlp(cfg="tiny", batch: int = 2, seed: int = 0) -> dict:
 def pipeline_runs(cfg, runs: list, steps: int = 1) -> list:
     """Train `cfg` under each (ParallelConfig, global_batch) of `runs` (all of this world's pp) in
     this one job (`train_layouts`, as `zero_memory`). Returns, per run, this rank's RankResult:
-    .memory["activations"] the peak bytes saved for backward, .timeline the last step's [(Action,
+    .memory["activations"] the peak bytes saved for backward, .spans the last step's [(Action,
     start, end)] in perf_counter seconds, .losses the global loss of each step.
     """
     return train_layouts([dict(par=par, global_batch=b) for par, b in runs], cfg=cfg, steps=steps)

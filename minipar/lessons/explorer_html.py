@@ -105,7 +105,7 @@ def measured(est, res) -> list[dict]:
                                   title="memory per rank"))]
     if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
         first = [r for r, c in enumerate(coords) if c.dp_rank == 0 and c.tp_rank == 0]
-        measured = Timeline.from_events([res.timelines[r]
+        measured = Timeline.from_events([res.spans[r]
                                          for r in sorted(first, key=lambda r: coords[r].pp_rank)])
         predicted = est.timeline
         fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True,

@@ -15,6 +15,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from minipar.memory import CATEGORIES
+
 
 def loss_curve(runs: dict[str, list[float]], title: str = "training loss") -> Figure:
     """Loss against step, one line per run ({label: losses}); equal
@@ -34,8 +36,6 @@ def memory_bars(runs: dict[str, list[dict]], title: str = "memory per rank") -> 
 
     One bar per run, for its fullest rank; categories in `memory.CATEGORIES` order, others after.
     """
-    from minipar.memory import CATEGORIES
-
     fullest = {label: max(ranks, key=lambda m: sum(m.values())) for label, ranks in runs.items()}
     cats = [*CATEGORIES, *sorted({c for m in fullest.values() for c in m} - set(CATEGORIES))]
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 3.8), layout="constrained")
@@ -60,8 +60,6 @@ def memory_compare(panels: dict[str, dict[str, tuple[dict, dict]]],
     `memory.CATEGORIES` order and colour; the measured / predicted ratio of the totals is written
     above the pair. Panels share the y axis, so they compare at a glance (e.g. one panel per dp).
     """
-    from minipar.memory import CATEGORIES
-
     colours = dict(zip(CATEGORIES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     width = max(len(runs) for runs in panels.values())
     fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 1.2 * width * len(panels), 4.0),

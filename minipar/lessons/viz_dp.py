@@ -1,7 +1,7 @@
 """Plots for lesson 01 (data parallelism): what each rank computed and sent, step by step.
 
-    step_spans(timeline)  a DataParallel timeline cut into training steps
-    timeline(runs)        per-rank Gantt chart of compute and communication, one panel per run
+    step_spans(spans)       one rank's measured spans (TrainResult.spans) cut into training steps
+    compute_and_comm(runs)  per-rank Gantt chart of compute and communication, one panel per run
 """
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 
-def step_spans(timeline: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
-    """Cut one rank's timeline ((what, start, end) spans, any order) into training steps.
+def step_spans(spans: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
+    """Cut one rank's spans ((what, start, end), any order) into training steps.
 
-    A step ends with its "wait" span (the time blocked in `DataParallel.finish()`); the spans that
-    start after the previous step's wait ended belong to it. Returns the steps in order, each sorted
-    by start time.
+    A step ends with its "wait" span (the time blocked in `DataParallelNaive.finish()`); the spans
+    that start after the previous step's wait ended belong to it. Returns the steps in order, each
+    sorted by start time.
     """
-    spans = sorted(timeline, key=lambda s: s[1])
+    spans = sorted(spans, key=lambda s: s[1])
     ends = sorted(end for what, _, end in spans if what == "wait")
     steps, i = [[] for _ in ends], 0
     for span in spans:
@@ -29,12 +29,11 @@ def step_spans(timeline: list[tuple[str, float, float]]) -> list[list[tuple[str,
 _COMPUTE = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52"}
 
 
-def timeline(runs: dict[str, list[list[tuple[str, float, float]]]], title: str = "compute and "
-                                                                                 "communication",
-             ) -> Figure:
+def compute_and_comm(runs: dict[str, list[list[tuple[str, float, float]]]],
+                     title: str = "compute and communication") -> Figure:
     """Per-rank Gantt chart, one panel per run ({label: spans by rank}), on one time axis.
 
-    Spans are (what, start, end) in perf_counter seconds, as `DataParallel.timeline` records them.
+    Spans are (what, start, end) in perf_counter seconds, as `DataParallelNaive.spans` records them.
     Each rank has two rows: "compute" (forward, backward, and "wait", the time blocked in finish()
     on communication backward did not hide, hatched) and "comm" (every all-reduce: "bucket i" or, in
     naive mode, "all-reduce"; neighbours alternate in shade). Times

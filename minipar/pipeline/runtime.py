@@ -369,9 +369,9 @@ class PipelineExecutor:
 
     def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> tuple[float, list]:
         """Run this rank's actions once. inputs[j] (b, s) token ids of micro-batch j are needed
-        where chunk 0 lives, targets[j] where the last chunk lives. Returns (loss, timeline): loss =
+        where chunk 0 lives, targets[j] where the last chunk lives. Returns (loss, events): loss =
         sum over j of cross_entropy_j / m as a float on the rank of the last chunk and 0.0 elsewhere
-        (so a sum over the pipeline group gives it to all); timeline = [(action, start, end)] in
+        (so a sum over the pipeline group gives it to all); events = [(action, start, end)] in
         time.perf_counter seconds, start being when the action's inputs had arrived. The backward
         runs on loss · loss_scale."""
         if (
@@ -383,17 +383,17 @@ class PipelineExecutor:
             raise ValueError(f"rank {self.rank} needs inputs (chunk 0) and/or targets (last chunk)")
         self._reset()
         self._loss, self._scale = torch.zeros((), device=self.device), float(loss_scale)
-        timeline = []
+        events = []
         for a in self.actions:
             op, c, j = _key(a)
             start = self._forward(c, j, inputs, targets) if op == "F" else \
                 self._backward(c, j) if op == "B" else self._weight(c, j)
             if self.after_compute:
                 self.after_compute(time.perf_counter() - start)
-            timeline.append((a, start, time.perf_counter()))
+            events.append((a, start, time.perf_counter()))
         comm.wait(*(work for work, _ in self._sends))
         assert not self._saved and not self._inbox and not self._outbox, (
             "a message or activation was left over"
         )
         self._sends = []
-        return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), timeline
+        return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), events

@@ -126,9 +126,9 @@ def micro_step(cfg, b: int, t: int, sp: bool, recompute: str, precision: str, mo
 
     def step():
         with meter, mp.autocast():
-            _, timeline = pipe.step([x], [x])
+            _, events = pipe.step([x], [x])
         meter.release()
-        return {"W": 0.0, **{a.op: end - start for a, start, end in timeline}, "O": optimize()}
+        return {"W": 0.0, **{a.op: end - start for a, start, end in events}, "O": optimize()}
     return step
 
 
