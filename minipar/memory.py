@@ -201,8 +201,9 @@ def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1,
                 sp: bool = False) -> float:
     """The paper's activations for the l layers, bytes (Table 2, no recomputation), 16-bit:
 
-        no parallelism  sbh (34 + 5as/h)     TP  sbh (10 + 24/t + 5as/(ht))     TP+SP  sbh (34/t +
-                        5as/(ht))
+        no parallelism  sbh (34 + 5as/h)
+        TP              sbh (10 + 24/t + 5as/(ht))
+        TP+SP           sbh (34/t + 5as/(ht))
 
     Of the 34 sbh, 10 lie outside the tensor-parallel regions (replicated by TP, cut by SP): 8 of
     16-bit values (LayerNorm inputs, the regions' inputs) and 2 dropout masks of 1 byte an element;
@@ -241,10 +242,10 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
     keeps only the log-sum-exp and recomputes the probabilities in backward).
     Outside the layers:
         head     2 sbh e + 2 sb e  (ln_f's input, output and statistics; /t with SP)
-                 + 4 sbV + 4        (t = 1: F.cross_entropy's fp32 log-probabilities, its weight
-                                    sum)
-                 + 4 sbV/t + 9 sb   (t > 1: the vocab-parallel softmax slice, local targets, their
-                                    mask)
+                 + 4 sbV + 4        (t = 1: F.cross_entropy's fp32 log-probabilities, its
+                                     weight sum)
+                 + 4 sbV/t + 9 sb   (t > 1: the vocab-parallel softmax slice, local targets,
+                                     their mask)
         tokens   16 sb + 8 s        (t = 1: int64 input ids and targets, positions)
                  9 sb + 8 s         (t > 1: the embedding's local ids and mask, positions)
     """
@@ -269,8 +270,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     bytes per parameter (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8)
     fp32, (2, 2, 12) mixed.
 
-      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer) | p
-                 Psi_pad/N (3)
+      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer)
+                 | p Psi_pad/N (3)
       grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
       optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
       activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches) (with dp_shares:
@@ -370,8 +371,8 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
     peaks = []
     for mine in actions:
-        split = any(a.op == "W" for a in mine)  # then B frees only the loss's part (after the last
-        #                                         module)
+        # with W apart, B frees only the loss's part (after the last module)
+        split = any(a.op == "W" for a in mine)
         freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
                  "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
         current = peak = 0

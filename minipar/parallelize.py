@@ -8,10 +8,11 @@
   2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest,
                          so the steps below see only this rank's parameters.
   3. recomputation       wraps the blocks this rank holds (their forward, or their attention core).
-  4. precision, ZeRO, DP cast the parameters to 16 bits and keep fp32 masters (`apply_precision`),
-                         or shard them into flat buffers (`apply_zero`), or hook their gradients
-                         (`apply_dp`). Last among the model changes: they capture the parameters'
-                         final identity and dtype (why in this order among them: at each call).
+  4. ZeRO or DP, and    with ZeRO: `apply_zero` shards the parameters into flat buffers (its own
+     precision           fp32 masters and 16-bit copies), then `apply_precision` only autocasts;
+                         without: `apply_precision` casts to 16 bits and keeps fp32 masters, then
+                         `apply_dp` hooks the gradients. Last among the model changes: they capture
+                         the parameters' final identity and dtype (why this order: at each call).
   5. pipeline executor   after precision: the messages between stages have the model's dtype.
 A checkpoint's weights are loaded into the full model before 1 (the cut is the same as from the
 seed's initialisation); its optimizer moments after 4, cut the same way (checkpoint.restore).

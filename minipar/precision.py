@@ -1,5 +1,5 @@
-"""Mixed precision: compute in 16 bits, update in 32 (Micikevicius et
-al. 2018, "Mixed Precision Training").
+"""Mixed precision: compute in 16 bits, update in 32 (Micikevicius et al. 2018, "Mixed Precision
+Training").
 
 Forward and backward run on 16-bit weights (bf16 or fp16: half the bytes to move, the fast matmul
 units), while the optimizer updates an fp32 *master* copy of every weight, because an update much
@@ -8,9 +8,8 @@ its range is narrow (largest 65504, smallest 2^-24), so the loss is multiplied b
 backward to lift small gradients out of underflow, and the gradients are divided by S in fp32.
 
     model (16-bit) --forward/backward under autocast--> 16-bit grads
-         ^                                                   | grads_to_master: to fp32, / S, inf
-         check
-         | master_to_model: round to 16 bits                 v
+         ^                                              | grads_to_master: fp32, / S, inf check
+         | master_to_model: round to 16 bits            v
     fp32 master weights  <---- optimizer.step() (fp32 Adam moments) ---- fp32 master grads
 
 Modes: "fp32" (nothing changes), "bf16" and "fp16" (the recipe above; only fp16 scales the loss),

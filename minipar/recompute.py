@@ -3,15 +3,13 @@
 Chen et al. 2016 ("Training deep nets with sublinear memory cost") keep only some activations and
 recompute the rest in backward; Korthikanti et al. 2022 choose what to recompute by cost:
 
-    "none"       every layer keeps what its backward needs        s b h (34 + 5 a s/h) bytes a
-                 layer, 16-bit
+    "none"       every layer keeps what its backward needs
+                     memory: s b h (34 + 5 a s/h) bytes a layer, 16-bit
     "full"       a layer keeps only its input; backward first runs its forward again
-                                                                  2 s b h a layer; + one forward
-                                                                  (~ +33% FLOPs)
-    "selective"  recompute the attention core, softmax(q k^T) v: its a s^2 b-sized matrices are most
-                 of the
-                 memory and little of the FLOPs                   s b h 34 a layer; + 2 a s^2 b h...
-                 FLOPs (a few %)
+                     memory: 2 s b h a layer; compute: + one forward (~ +33% FLOPs)
+    "selective"  recompute the attention core, softmax(q k^T) v: its a s^2 b-sized matrices are
+                 most of the memory and little of the FLOPs
+                     memory: s b h 34 a layer; compute: + 2 a s^2 b h... FLOPs (a few %)
 
 With F.scaled_dot_product_attention's fused kernel (FlashAttention, Dao et al. 2022, and its CPU
 version), the attention matrix is never stored: the kernel already recomputes it in backward. So in

@@ -8,8 +8,8 @@ and Y = sum_r Y_r: the GeLU needs no communication, the sum is one all-reduce. A
 same way along its heads: q, k, v column-parallel (rank r holds heads r a/t ... (r+1) a/t - 1), the
 output projection row-parallel. Two conjugate operators mark where the ranks meet:
 
-    f  identity forward, all-reduce backward   (entering a region: each rank's input gradient is a
-       part)
+    f  identity forward, all-reduce backward   (entering a region: each rank's input gradient
+                                               is a part)
     g  all-reduce forward, identity backward   (leaving it: each rank's output is a part)
 
 The token embedding is cut by vocabulary rows (each rank looks up the ids it owns, zeros elsewhere,

@@ -16,8 +16,7 @@ from minipar.memory import chunk_units, element_bytes, flat_shard, layout_bytes
 def dp(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
     """Bytes one rank sends per step, {collective: bytes}, as a `comm.CommStats` names them:
 
-      stage 0 (dp > 1)  all_reduce      2(N-1)/N g Psi          (ring; uneven chunks move it a few
-                        bytes)
+      stage 0 (dp > 1)  all_reduce      2(N-1)/N g Psi   (ring; uneven chunks move it a few bytes)
       stages 1, 2       reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  (N-1)/N p Psi_pad
       stage 3           reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  2 (N-1)/N p Psi_pad
                         (gathered before forward and again before backward: 3 Psi in all, 1.5x DP),
@@ -51,13 +50,12 @@ def tp(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
              all_gather      (t-1) 4 b s                     the loss: every rank's maxima
       SP     reduce_scatter  (4 l + 2) (t-1)/t X
              all_gather      (6 l + 3) (t-1)/t X + (t-1) 4 b s     the extra 2 l + 1: inputs
-                             gathered
-                                                                   again in backward (not stored)
+                                                                   gathered again in backward
              all_reduce      the loss's, as above, + once a step 2(t-1)/t g (6 l h + s h + 2 h),
                              the partial gradients (g bytes a gradient element)
     times par.microbatches. Full recomputation (recompute.py) runs each layer's forward again in
     backward, as far as the backward needs it: up to the attention's g, so + l all-reduces of X (SP:
-    + l reduce- scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent
+    + l reduce-scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent
     when t = 1.
     """
     t, l = par.tp, cfg.n_layer

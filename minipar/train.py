@@ -11,12 +11,13 @@ each of this rank's micro-batches (the loss of each scaled by 1/microbatches, so
 those of the mean), step the optimizer. The loss reported is the global mean. With uneven DP shares
 (ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss is also weighted by its share, so
 the averaged gradients are still those of the global mean.
-Metrics: loss, step time, tokens/s, MFU (model FLOPs, REFERENCES.md, over the device's peak), and
-memory by category.
+Metrics: loss, step time, tokens/s, MFU (model FLOPs, docs/references.md, over the device's peak),
+and memory by category.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -109,8 +110,8 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     job = dict(cfg=cfg, par=par, steps=steps, global_batch=global_batch, lr=lr,
                weight_decay=weight_decay, seed=seed, data=data, return_state=return_state,
                save=save, save_every=save_every, resume=resume)
-    bar, report = ProgressBar(steps - done, show=progress,
-                              on_step=on_step), progress or on_step is not None
+    bar = ProgressBar(steps - done, show=progress, on_step=on_step)
+    report = progress or on_step is not None
     torchrun = torchrun_rank() is not None
     try:
         if par.world == 1 and not dist.is_initialized() and not torchrun:
@@ -160,8 +161,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     device = device or _device()
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)  # the full model on every rank, then cut: every
-                                 #   layout trains the same one
+    # the full model on every rank, then cut: every layout trains the same one
+    model = GPT(cfg).to(device)
     resumed = checkpoint.load(resume, cfg) if resume else None
     run = parallelize(model, par, mesh, global_batch=global_batch, lr=lr, weight_decay=weight_decay,
                       stats=stats, after_compute=after_compute, resumed=resumed)
@@ -208,13 +209,13 @@ def train_layouts(layouts: list, *, around=None, **common) -> list[RankResult]:
     RankResults, in order (what tests' `assert_same_training` compares with the single-process run).
 
     Why: on a small CPU a launch costs about a second a rank, a tiny model's step a few
-    milliseconds; one launch for many layouts. around(i, train), if given, runs layout i: it calls
-    train() (which trains it and returns its RankResult) between whatever it measures around it, and
-    returns that result (the calibration's probes and clocks, planner/calibrate.run_layouts)."""
+    milliseconds; one launch for many layouts. around(i, run), if given, runs layout i: `run()`
+    trains it and returns its RankResult; around measures what it likes around that call and returns
+    the result (the calibration's probes and clocks, planner/calibrate.run_layouts)."""
     out = []
     for i, layout in enumerate(layouts):
         job = {**common, **(layout if isinstance(layout, dict) else dict(par=layout))}
-        run = lambda job=job: train_rank(**job)  # noqa: E731
+        run = functools.partial(train_rank, **job)
         out.append(around(i, run) if around else run())
     return out
 

@@ -32,11 +32,11 @@ Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter),
   memory    stage 0 (DP)  4P params + 4P grads + 8P optimizer
             stage 1       4P params + 4P grads + 8P/N optimizer
             stage 2       4P params + 4P/N grads + 8P/N optimizer
-            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units (two at
-                          most)
+            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units
+                          (two at most)
             (+ up to N-1 padding elements per flat buffer)
   traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as DP's
-            all-reduce
+                     all-reduce
             stage 3: all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x),
                      per micro-batch (with gradient accumulation it gathers again for each)
 """

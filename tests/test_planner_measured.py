@@ -3,7 +3,7 @@
 Each world size is one launch (`calibrate.run_layouts`): rank 0 measures the machine first
 (`calibrate.machine_rank`), then before each layout every rank probes the links (`calibrate.link_rank`)
 and the layout trains for STEPS steps. The estimates use that calibration (the links' medians over the
-run's probes) and each layout's own layer, profiled in this process (`calibrate.profile`). Measured step
+run's probes) and each layout's own layer, profiled in this process (`layer_profile.profile`). Measured step
 time: the median of rank 0's steps after the first; memory: the fullest rank's total, as train measures it.
 
 What is asserted, and why not 15% on each: on the 2-core virtual machine this was written on, quiet, two

@@ -83,7 +83,7 @@ def test_full_recomputation_repeats_the_forward_collectives_it_needs(sp, referen
 
 
 def test_two_all_reduces_per_layer_each_way():
-    """Bytes of the layers' all-reduces per layer per micro-batch: 8 b s h e (t-1)/t (REFERENCES.md)."""
+    """Bytes of the layers' all-reduces per layer per micro-batch: 8 b s h e (t-1)/t (docs/references.md)."""
     par, deeper = ParallelConfig(tp=2), TINY.replace(n_layer=6)
     per_layer = (traffic.tp(deeper, par, BATCH)["all_reduce"]
                  - traffic.tp(TINY, par, BATCH)["all_reduce"]) / 2

@@ -3,14 +3,10 @@ returns a matplotlib Figure. They draw what an estimate holds and recompute noth
 estimate simulated is `est.timeline` (a `pipeline.Timeline` in seconds, for `viz_pipeline.gantt`;
 its makespan + dp_comm + optimizer is the step time).
 
-    memory_stages(est)        memory per GPU of every pipeline stage, stacked by category, beside
-                              its capacity
-    breakdown(estimates)      step times cut into the planner's terms (planner.TERMS), one bar per
-                              estimate
-    ratios(rows)              predicted / published for several runs, with a band (e.g. the 10% we
-                              promise)
-    splits(estimates)         layers per pipeline chunk and micro-batches per DP replica, coloured
-                              by GPU kind
+    memory_stages(est)     memory per GPU of every pipeline stage, by category, and its capacity
+    breakdown(estimates)   step times cut into the planner's terms (planner.TERMS), a bar each
+    ratios(rows)           predicted / published for several runs, with a band (e.g. our 10%)
+    splits(estimates)      layers per pipeline chunk and micro-batches per DP replica, by GPU kind
 """
 from __future__ import annotations
 

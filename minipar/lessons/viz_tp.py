@@ -2,10 +2,8 @@
 
     splits(t)                      Megatron's cuts drawn: the MLP's A by columns and B by rows,
                                    attention by heads
-    activation_bars(runs)          predicted activation memory by part beside the measured total,
-                                   per layout
-    comm_compute(ratios, degrees)  TP's communication time over its compute time, per link, against
-                                   t
+    activation_bars(runs)          predicted activation memory by part beside the measured total
+    comm_compute(ratios, degrees)  TP's communication time over its compute time, per link, by t
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Plots for lesson 03 (ZeRO): model states against N_d, and stage 3's gathers over a step.
 
-    zero_stages(table)    model states per device against N_d for the ZeRO stages (the paper's Table
-                          I)
+    zero_stages(table)    model states per device against N_d, per ZeRO stage (the paper's Table I)
     gather_timeline(...)  ZeRO-3's gathers and frees over one step, and the gathered bytes held
 """
 from __future__ import annotations

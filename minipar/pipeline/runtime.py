@@ -8,8 +8,8 @@ interleaving: Narayanan et al. 2021; the B/W split: Qi et al. 2023). The order o
 schedule, which is data (`minipar.pipeline.schedules`); this file executes any valid one.
 
     chunk k of p·v lives on pipeline rank k % p        (v = 1:  rank 0 | rank 1 | ... | rank p-1)
-    F(k, j): x_j -> chunk k -> send to rank of k+1     B(k, j): dy from rank of k+1 -> backward ->
-                                                       send dx
+    F(k, j): x_j -> chunk k -> send to rank of k+1
+    B(k, j): dy from rank of k+1 -> backward -> send dx to rank of k-1
 
 Costs, P parameters, b micro-batch size, s sequence length, h hidden size, 4-byte activations:
     parameters per rank     ~ P/p (the first stage also has the embeddings, the last the head; see

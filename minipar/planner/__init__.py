@@ -1,11 +1,10 @@
-"""The cost model and the planner: a layout's memory and step time
-on a described cluster, and a search.
+"""The cost model and the planner: a layout's memory and step time on a described cluster, and
+a search.
 
     cluster.py        the cluster as a value: GPU kinds, presets, links, mixed clusters (no I/O)
-    gpu_time.py       what one GPU spends on its share of a step: compute, memory-bound kernels, TP,
-                      PP, DP
+    gpu_time.py       what one GPU spends on its share of a step: compute, memory-bound kernels,
+                      TP, PP, DP
     cpu_time.py       the same for local CPU ranks, from the model's own layer timed
-                      (layer_profile.py)
     calibrate.py      this machine measured: its cores, gloo links and time-sharing, as a Cluster
     layer_profile.py  the model's own layer timed on this machine
     predict.py        `estimate`: memory by category and the step time with its breakdown

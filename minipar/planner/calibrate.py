@@ -26,8 +26,8 @@ Then the probes, every rank at once (`link_rank`; `run_layouts` repeats them bef
                            woken process, a peer not yet there): (~0.3 ms of matmuls +
                            comm.all_reduce of 1 KiB)
                            - (the matmuls alone) - (the all-reduce back to back)
-                step       seconds a ring step of back-to-back 1 KiB all-reduces: their time / 2
-                           (g-1)
+                step       seconds a ring step of back-to-back 1 KiB all-reduces: their time
+                           / 2(g-1)
                 bandwidth  2 (g-1) / g MiB over the time a 1 MiB all-reduce adds to a 1 KiB one
 `this_machine(world)` is this machine as a Cluster (`cluster_of`); it reads the calibration from a
 JSON file under the temporary directory, keyed by host, cores, torch version and world, or measures

@@ -91,7 +91,7 @@ def tp_comm(cfg, par, b: int, e: int, cpu) -> dict[str, float]:
 
 def collective_calls(cfg, est) -> dict[str, int]:
     """The collectives pipeline rank 0 (the first stage) calls in a step,
-    by kind, as comm.count records them."""
+    by kind, as a comm.CommStats counts them (its `calls`)."""
     par, chunks, m = est.par, len(est.layers), est.shares[0]
     places = tp_collectives(cfg, par, est.micro_batch, memory.element_bytes(par.precision))
     calls: dict[str, int] = {}

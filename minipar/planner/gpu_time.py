@@ -7,8 +7,8 @@ sequences of s tokens, on one GPU of a stage holding its layers split t ways (t 
 
   matmuls, a layer  F = (24 b s h^2 + 4 b s^2 h) / t FLOPs, backward 2F: the model FLOPs of
                     Korthikanti et al. 2022 eq. 7, 72 b s l h^2 (1 + s/(6h) + V/(12 l h)) with the
-                    head, over 3. ZB-H1 splits the backward (Qi et al. 2023): B = (24 b s h^2 + 8 b
-                    s^2 h)/t, W = 24 b s h^2/t
+                    head, over 3. ZB-H1 splits the backward (Qi et al. 2023):
+                    B = (24 b s h^2 + 8 b s^2 h)/t, W = 24 b s h^2/t
   head              F = 2 b s h V / t (the logits, last stage), backward 4 b s h V / t; memory-bound
                     s b V/t (2e + 4) bytes forward (logits written and read, fp32 log-probabilities)
   recompute         selective: the attention core's forward again, 4 b s^2 h / t FLOPs; full: the

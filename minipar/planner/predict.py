@@ -1,20 +1,17 @@
-"""The planner: a layout's step time and memory on a cluster (`estimate`),
-and a search over layouts (`plan`).
+"""The planner: a layout's step time and memory on a cluster (`estimate`), and a search over
+layouts (`plan`).
 
     step      = makespan of the pipeline schedule, simulated by `pipeline.simulate` with each
-              chunk's
-                F, B, W costs (gpu_time.py) and each message's p2p time  +  exposed DP/ZeRO time  +
-                optimizer
-    breakdown = the busiest pipeline rank's compute, recompute,
-    memory_bound, tp_comm (its busy time)
-                + bubble (makespan with free messages - busy) + pp_p2p (what the messages add)
-                + dp_comm + optimizer; the terms sum to the step time
-    FLOPs     model FLOPs, Korthikanti et al. 2022 eq. 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) a
-              step
-                (recomputation not counted: that would be hardware FLOPs);
+                chunk's F, B, W costs (gpu_time.py) and each message's p2p time
+                + exposed DP/ZeRO time + optimizer
+    breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy
+                time) + bubble (makespan with free messages - busy) + pp_p2p (what the messages
+                add) + dp_comm + optimizer; the terms sum to the step time
+    FLOPs     model FLOPs a step, Korthikanti et al. 2022 eq. 7: 72 B s l h^2 (1 + s/(6h) +
+                V/(12 l h)) (recomputation not counted: that would be hardware FLOPs);
                 tflops_per_gpu = FLOPs / step / world,  mfu = FLOPs / step / (world * peak)
-    memory    per GPU of each pipeline stage (the fullest one reported, by category as
-              memory.predict):
+    memory    per GPU of each pipeline stage (the fullest one reported), by category as
+              memory.predict gives them:
                 params, grads, optimizer: the stage's parameters (tp_params' split, its chunks only)
                   under ZeRO over dp, padded as zero.py pads (equal to memory.predict when pp = 1)
                 activations: memory.activations per layer (TP, SP, recompute; 16-bit unless fp32),
@@ -32,18 +29,17 @@ micro_batch) micro-batches (par.microbatches is replaced by it). A layout may us
 the cluster has (the first par.world ranks); `plan` always uses them all. `estimate` is
 `split_layout` (validate, split layers and micro-batches, size the memory) then `time_layout` (the
 step time); `plan` runs the second only on layouts that fit. `time_layout` is the one place that
-chooses the time model: a Cluster with a CPU calibration is timed
-by cpu_time.py, any other by gpu_time.py.
+chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
+gpu_time.py.
 
 Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one efficiency, 0.69, from their
 Table 4; tests/test_planner.py), seconds a step, predicted / published:
-    SP + selective   22B 1.04 / 1.10 (-5%)   175B 13.6 / 13.75 (-1%)   530B 41.2 / 37.83 (+9%)   1T
-                     77.5 / 71.49 (+8%)
-    full recompute   22B 1.33 / 1.42 (-7%)   175B 17.8 / 18.13 (-2%)   530B 53.7 / 49.05 (+10%)  1T
-                     101 / 94.42 (+7%)
+                    22B                175B                530B                1T
+    SP + selective  1.04 / 1.10 (-5%)  13.6 / 13.75 (-1%)  41.2 / 37.83 (+9%)   77.5 / 71.49 (+8%)
+    full recompute  1.33 / 1.42 (-7%)  17.8 / 18.13 (-2%)  53.7 / 49.05 (+10%)  101 / 94.42 (+7%)
 The sign flips with size: the larger the matrices, the closer to peak Megatron's matmuls ran, which
-one efficiency cannot follow (the 530B and 1T last stages also
-carry the logits, 7-8% of their work).
+one efficiency cannot follow (the 530B and 1T last stages also carry the logits, 7-8% of their
+work).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
