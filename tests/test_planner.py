@@ -2,14 +2,11 @@
 
 No processes: everything here is arithmetic and the pipeline simulator.
 """
-import ast
 import dataclasses
 import math
-import pathlib
 
 import pytest
 
-import minipar
 from minipar import memory
 from minipar.config import ParallelConfig
 from minipar.model import GPTConfig
@@ -214,40 +211,3 @@ def test_heterogeneous_layers_move_out_of_a_stage_that_overflows():
     assert roomy.layers[1] > 2 * roomy.layers[0]            # by speed: the H100s take most layers
     assert tight.fits and tight.layers[1] < tight.layers[0]  # by memory: 20 GiB holds fewer
     assert sum(tight.stages[1].values()) <= 20 * GiB
-
-
-# ----------------------------------------------------------------------------- structure
-
-
-def _imports() -> dict[str, set[str]]:
-    """{module: the minipar modules it imports, at top level or in a function}, from the sources."""
-    root = pathlib.Path(minipar.__file__).parent.parent
-    names = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
-             for f in (root / "minipar").rglob("*.py")}
-    graph = {}
-    for name, path in names.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minipar"):
-                full = {f"{node.module}.{a.name}" for a in node.names}
-                found |= {m if m in names else node.module for m in full}
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.startswith("minipar")}
-        graph[name] = {m for m in found if m in names and m not in (name, "minipar")}
-    return graph
-
-
-def test_no_module_imports_one_that_imports_it_back():
-    """The import graph tells the truth: no circle, with the imports inside functions counted too
-    (the package's own __init__, which gathers the public names, aside)."""
-    graph = _imports()
-
-    def reach(start):
-        seen, todo = set(), [start]
-        while todo:
-            for m in graph[todo.pop()] - seen:
-                seen.add(m)
-                todo.append(m)
-        return seen
-
-    assert not [(m, d) for m in graph for d in graph[m] if m in reach(d)]
