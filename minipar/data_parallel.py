@@ -69,8 +69,7 @@ class DataParallelNaive:
         self.size = dist.get_world_size(group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sync = True
-        self.spans: list[tuple[str, float, float]] = []  # (what, start, end),
-                                                            #   perf_counter seconds
+        self.spans: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter s
         self.buckets: list[_Bucket] = []
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
