@@ -70,7 +70,6 @@ class DataParallelNaive:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sync = True
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter s
-        self.buckets: list[_Bucket] = []
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
             if collectives == "minipar" else None
@@ -103,7 +102,8 @@ class DataParallelNaive:
 
     @property
     def comm_buffer_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        """Bytes of communication buffers this holds: none (it reduces the gradients in place)."""
+        return 0
 
     # ------------------------------------------------------------------------- the all-reduce
 
@@ -138,6 +138,7 @@ class DataParallelBucket(DataParallelNaive):
     def __init__(self, model: torch.nn.Module, group=None, bucket_bytes: int = 25 * 2**20,
                  collectives: str = "minipar", stats: comm.CommStats | None = None):
         super().__init__(model, group, collectives, stats)
+        self.buckets: list[_Bucket] = []
         run, run_bytes = [], 0
         for p in reversed(self.params):  # backward produces the last layers' gradients first
             if run and run_bytes + p.numel() * p.element_size() > bucket_bytes:
@@ -184,6 +185,11 @@ class DataParallelBucket(DataParallelNaive):
             bucket.arrived.clear()
         self._next = 0
         self.spans.append(("wait", start, time.perf_counter()))
+
+    @property
+    def comm_buffer_bytes(self) -> int:
+        """Bytes of the buckets: a flat copy of every gradient."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.work = self._all_reduce(bucket.buffer, f"bucket {self.buckets.index(bucket)}")
