@@ -1,16 +1,21 @@
 """Start N worker processes with torch.distributed initialised, and bring back what they return.
 
-`launch(fn, world_size, *args)` runs `fn(*args)` on every rank and returns the results by rank. It
-is what notebooks, scripts and tests call, so it takes care of
-what makes multi-process code painful:
+`launch(fn, world_size, *args)` runs `fn(*args)` on every rank and returns the results by rank.
+Notebooks, scripts and tests call it, so it takes care of what makes multi-process code painful:
 
 - backend: gloo on CPU, NCCL when there is one GPU per rank;
 - rendezvous: the caller hosts the TCPStore on a free port of 127.0.0.1 (no port race);
 - output: each rank's stdout and stderr (C-level writes too) come back line by line as
   "[rank r] ...", printed by the caller, so a notebook cell shows them;
 - failure: when a rank raises, the others are stopped and the caller gets a `WorkerError` that
-  carries that rank's traceback; when the job outlives `timeout`, every rank dumps its Python stack
-  (faulthandler), is killed, and the caller gets a `WorkerTimeout` with the stacks;
+  carries that rank's traceback;
+- hangs: `timeout` is a watchdog, not a deadline. A job may run for days; it is stopped only when
+  no rank has shown progress (printed a line, returned, or called `heartbeat()`) for `timeout`
+  seconds. Then every rank dumps its Python stack (faulthandler), is killed, and the caller gets a
+  `WorkerTimeout` with the stacks. `timeout` also bounds one rendezvous or one collective;
+- scripts: workers re-import the caller's script, so a script that launches outside
+  `if __name__ == "__main__":`, or launches a function defined inside that block, gets a
+  ValueError before any process starts (it would otherwise die in every worker, silently);
 - cleanup: no process outlives the call, and a worker whose caller dies exits on its own;
 - torchrun: when RANK and WORLD_SIZE are set, this process is already one rank of a job, so it
   joins that job, runs fn once, and returns every rank's result (gathered as objects).
@@ -20,6 +25,7 @@ than a fresh interpreter (spawn: ~1 s a rank on a 2-core machine).
 """
 from __future__ import annotations
 
+import ast
 import atexit
 import collections
 import datetime
@@ -33,21 +39,36 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+WORKER_NAME = "minipar-rank"  # a launched worker's process name starts so: it knows it is one
+HEARTBEAT = "minipar-heartbeat"  # the line heartbeat() writes; the caller consumes it unprinted
+
 
 class WorkerError(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
 class WorkerTimeout(TimeoutError):
-    """The job did not finish in time; the message carries where each unfinished rank was."""
+    """No rank showed progress for `timeout` s; the message says where each unfinished rank was."""
+
+
+def heartbeat() -> None:
+    """Say "this rank is still alive" to the launcher's watchdog without printing anything.
+
+    A worker whose loop prints nothing for longer than launch's `timeout` calls it (once a training
+    step, say). It writes a tagged line that the caller consumes; outside a worker that `launch`
+    started (one process, a torchrun rank) it does nothing."""
+    if mp.current_process().name.startswith(WORKER_NAME):
+        # fd 1 is the pipe to the caller: written whole, never inside a line Python has buffered
+        os.write(1, f"{HEARTBEAT}\n".encode())
 
 
 def pick_backend(backend: str, world_size: int) -> str:
-    """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and a
-    job of `world_size` local ranks."""
+    """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and `world_size` local ranks."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
@@ -60,8 +81,7 @@ def pick_backend(backend: str, world_size: int) -> str:
 
 
 def torchrun_rank() -> int | None:
-    """This process's rank in a torchrun job (torchrun sets RANK
-    and WORLD_SIZE), None outside one."""
+    """This process's rank in a torchrun job (torchrun sets RANK and WORLD_SIZE), else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"])
     return None
@@ -71,6 +91,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
            **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` fresh ranks; return fn's results, by rank.
 
+    timeout: seconds without progress (no rank printed, returned or called `heartbeat()`) after
+    which the job is stopped with a WorkerTimeout; also the limit of one rendezvous or collective.
     on_line(rank, line) -> bool, if given, sees each line of rank output first; True means it was
     handled (a progress report, say) and is not printed.
     """
@@ -80,11 +102,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     if torchrun_rank() is not None:
         return _join_torchrun(fn, world_size, args, kwargs, backend, timeout)
-    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"],
-                                                                     "__file__"):
-        raise ValueError(f"fn {fn.__qualname__!r} is defined in a notebook or REPL; worker "
-                         "processes can "
-                         "only import functions from a module: move it into a .py file")
+    check_script(fn)
     backend = pick_backend(backend, world_size)
     ctx = _forkserver()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
@@ -95,7 +113,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         for rank in range(world_size):
             result_r, result_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, name=f"minipar-rank{rank}", daemon=True,
+            p = ctx.Process(target=_worker, name=f"{WORKER_NAME}{rank}", daemon=True,
                             args=(fn, args, kwargs, rank, world_size, backend, store.port, timeout,
                                   threads, os.getpid(), result_w, out_w))
             p.start()
@@ -112,6 +130,76 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
             conn.close()
 
 
+def check_script(fn, main=None) -> None:
+    """ValueError, before any process starts, if workers could not start from the caller's script.
+
+    multiprocessing re-runs the caller's script in every worker (as "__mp_main__": only its
+    `if __name__ == "__main__":` block is skipped) to find functions defined there. A script
+    without that block launches again in each worker, and a function defined inside it does not
+    exist there; both kill the workers while they start, their error only on the terminal.
+    main: the `__main__` module (sys.modules'), a parameter so that tests can pass others.
+    """
+    main = sys.modules["__main__"] if main is None else main
+    in_main = getattr(fn, "__module__", None) == "__main__"
+    name = getattr(fn, "__qualname__", repr(fn)).split(".")[0]
+    path, spec = getattr(main, "__file__", None), getattr(main, "__spec__", None)
+    if path is None:  # a notebook, the REPL, python -c: nothing is re-run
+        if in_main:
+            raise ValueError(f"fn {name!r} is defined in a notebook or REPL; worker processes can "
+                             "only import functions from a module: move it into a .py file")
+        return
+    if spec is not None and spec.name.split(".")[-1] == "__main__":  # python -m package
+        if in_main:  # multiprocessing does not run a package's __main__ again: fn is not there
+            raise ValueError(f"fn {name!r} is defined in {spec.name}, which workers do not "
+                             "import: define it in another module of the package")
+        return
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):  # not Python source (a zip app, say)
+        return
+    script = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+    guards = [node for node in tree.body if _is_main_guard(node)]
+    if not guards:
+        raise ValueError(f"{script} has no `if __name__ == \"__main__\":` block: worker "
+                         f"processes re-import {script}; put the code that launches under "
+                         "`if __name__ == \"__main__\":`")
+    outside = _names_bound(tree.body)
+    inside = set().union(*(_names_bound(guard.body) for guard in guards))
+    if in_main and name in inside - outside and "*" not in outside:
+        raise ValueError(f"fn {name!r} is defined inside `if __name__ == \"__main__\":` of "
+                         f"{script}; workers re-import the script without running that block: "
+                         "define it at the top level (or in a module)")
+
+
+def _is_main_guard(node) -> bool:
+    """Whether a statement is `if __name__ == "__main__":` (either way round)."""
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+
+def _names_bound(body: list) -> set[str]:
+    """The names these statements bind when a worker runs them as "__mp_main__": everything they
+    define, import or assign, but not in a `__main__` guard's body (its else branch does run).
+    Over-counts (names inside functions) rather than miss one."""
+    names = set()
+    for node in body:
+        if _is_main_guard(node):
+            names |= _names_bound(node.orelse)
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+    return names
+
+
 def _forkserver():
     """multiprocessing's forkserver context (it keeps the one server a process has), told to preload
     torch: every launch after the first forks from a server that has imported it once."""
@@ -121,50 +209,56 @@ def _forkserver():
 
 
 def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float = 0.5) -> list:
-    """Wait for every rank's result, echoing output; stop at the first failure or at the deadline.
+    """Wait for every rank's result, echoing output; stop at the first failure, or when no rank has
+    shown progress (output, a heartbeat, a result) for `timeout` seconds.
 
     When one rank fails, the others often fail a moment later because their peer hung up. Failures
     that arrive within `grace` seconds are gathered, and the cause is reported: the first failure
     that is not a lost connection (a death is only seen when its pipe closes, so time alone can
     put an echo first).
     """
-    deadline = time.monotonic() + timeout
+    returned = time.monotonic()  # the last progress that is not output: the start, a result
     done, failed = {}, {}  # rank -> result; rank -> (wall time of the failure, what happened)
     first_failure = None  # when the first failure arrived (monotonic seconds)
     pending = dict(results)
     while len(done) < len(procs):
-        left = deadline - time.monotonic()
+        quiet = time.monotonic() - max([returned] + [o.heard for o in outputs.values()])
         if failed and (not pending or time.monotonic() > first_failure + grace):
             rank, (_, what) = min(failed.items(),
                                   key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
             _drain(outputs)
             raise WorkerError(f"rank {rank} of {len(procs)} {what} (the others were stopped)")
-        if left <= 0:
+        if quiet >= timeout:
             unfinished = [r for r in range(len(procs)) if r not in done]
             _dump_stacks(procs, unfinished, outputs)
             stacks = "\n".join(f"--- rank {r} ---\n" + "\n".join(outputs[r].tail)
                                for r in unfinished)
-            raise WorkerTimeout(f"job did not finish in {timeout:g} s; ranks {unfinished} were "
-                                "still "
-                                f"running, their last output and stacks:\n{stacks}")
-        for obj in _wait(pending, outputs, timeout=min(left, grace if failed else 1.0)):
+            raise WorkerTimeout(f"no progress for {timeout:g} s (no rank printed, returned or "
+                                f"called heartbeat()); ranks {unfinished} were still running, "
+                                f"their last output and stacks:\n{stacks}")
+        for obj in _wait(pending, outputs, timeout=min(timeout - quiet, grace if failed else 1.0)):
             rank = pending.pop(obj)
             try:
                 status, payload, when = pickle.loads(obj.recv_bytes())
             except EOFError:  # the pipe closed without a result: the rank died
-                procs[rank].join(1.0)
-                _drain(outputs)
-                status, when = "died", time.time()
-                payload = (f"exit code {procs[rank].exitcode} (killed, or os._exit); its last "
-                           "output:\n"
-                           + "\n".join(outputs[rank].tail))
+                status, when, payload = "died", time.time(), _death(procs[rank], outputs, rank)
             if status == "ok":
-                done[rank] = payload
+                done[rank], returned = payload, time.monotonic()
                 continue
             first_failure = first_failure if failed else time.monotonic()
             failed[rank] = (when, f"{'raised' if status == 'error' else 'died'}:\n{payload}")
     _drain(outputs)
     return [done[r] for r in range(len(procs))]
+
+
+def _death(proc, outputs: dict, rank: int) -> str:
+    """What to say of a rank that died: its exit code and last output, or why it has none."""
+    proc.join(1.0)
+    _drain(outputs)
+    said = ("its last output:\n" + "\n".join(outputs[rank].tail) if outputs[rank].spoke else
+            "the worker printed nothing: it may have failed while starting, see this terminal's "
+            "stderr")
+    return f"exit code {proc.exitcode} (killed, or os._exit); {said}"
 
 
 def _peer_lost(text: str) -> bool:
@@ -179,6 +273,8 @@ class _Output:
     def __init__(self, rank: int, conn, on_line=None):
         self.rank, self.conn, self.partial, self.open, self.on_line = rank, conn, b"", True, on_line
         self.tail = collections.deque(maxlen=60)  # the last lines, for error messages
+        self.heard = 0.0  # when bytes last arrived (monotonic seconds): the watchdog's progress
+        self.spoke = False  # whether any did: a rank that dies silently died while starting
 
     def echo(self) -> None:
         """Print the complete lines waiting in the pipe (at end of file, the rest too)."""
@@ -187,19 +283,20 @@ class _Output:
         except OSError:
             chunk = b""
         *lines, self.partial = (self.partial + chunk).split(b"\n")
-        if not chunk:
+        if chunk:
+            self.heard, self.spoke = time.monotonic(), True
+        else:
             self.open = False
             lines, self.partial = [*lines, self.partial] if self.partial else lines, b""
         for line in map(lambda b: b.decode(errors="replace"), lines):
-            if self.on_line and self.on_line(self.rank, line):
+            if line == HEARTBEAT or self.on_line and self.on_line(self.rank, line):
                 continue
             self.tail.append(line)
             print(f"[rank {self.rank}] {line}", flush=True)
 
 
 def _wait(conns: dict, outputs: dict, timeout: float) -> list:
-    """Wait on result pipes and open output pipes; echo output that
-    arrives; return ready results."""
+    """Wait on result pipes and open output pipes; echo the output that comes; return results."""
     live = {o.conn: o for o in outputs.values() if o.open}
     ready = mp.connection.wait([*conns, *live], timeout=timeout)
     for conn in ready:
@@ -209,8 +306,7 @@ def _wait(conns: dict, outputs: dict, timeout: float) -> list:
 
 
 def _drain(outputs: dict, wait: float = 0.2) -> None:
-    """Echo what the ranks still have to say, for up to `wait` seconds
-    (a failing rank's last words)."""
+    """Echo what the ranks still have to say, for up to `wait` s (a failing rank's last words)."""
     end = time.monotonic() + wait
     while any(o.open for o in outputs.values()) and time.monotonic() < end:
         _wait({}, outputs, end - time.monotonic())

@@ -11,6 +11,7 @@ import pytest
 import workers_launch as w
 
 import minipar
+from minipar.launch import heartbeat
 
 
 def alive(pid: int) -> bool:
@@ -61,9 +62,15 @@ def test_a_raising_rank_stops_the_job_with_its_traceback(tmp_path):
     assert_all_gone(tmp_path, 3)
 
 
-def test_a_rank_that_dies_ends_the_job(tmp_path):
-    with pytest.raises(minipar.WorkerError, match="(?s)rank 2 of 3 died.*exit code 3"):
-        minipar.launch(w.die_on, 3, 2, tmp_path, timeout=60)
+@pytest.mark.parametrize("last_words", [None, "goodbye"])
+def test_a_rank_that_dies_ends_the_job(tmp_path, last_words):
+    with pytest.raises(minipar.WorkerError, match="(?s)rank 2 of 3 died.*exit code 3") as err:
+        minipar.launch(w.die_on, 3, 2, tmp_path, last_words, timeout=60)
+    hint = "the worker printed nothing: it may have failed while starting, see this terminal's stderr"
+    if last_words:  # its last words, and no hint that it said nothing
+        assert "its last output:\ngoodbye" in str(err.value) and hint not in str(err.value)
+    else:
+        assert hint in str(err.value)
     assert_all_gone(tmp_path, 3)
 
 
@@ -73,9 +80,23 @@ def test_a_hanging_rank_ends_the_job_after_the_timeout(tmp_path):
         minipar.launch(w.hang_on, 2, 0, tmp_path, timeout=3)
     assert 3 <= time.monotonic() - start < 12
     message = str(err.value)
-    assert "did not finish in 3 s" in message
+    assert "no progress for 3 s" in message and "ranks [0, 1] were still running" in message
     assert "hang_on" in message  # each stuck rank's stack says where it was
     assert_all_gone(tmp_path, 2)
+
+
+def test_timeout_is_a_watchdog_not_a_deadline(capfd):
+    """A job three times longer than `timeout` that prints nothing but heartbeats finishes."""
+    start = time.monotonic()
+    assert minipar.launch(w.silent_but_alive, 2, 6.0, 0.2, timeout=2) == [0, 1]
+    assert time.monotonic() - start >= 6
+    out, err = capfd.readouterr()
+    assert "heartbeat" not in out + err  # consumed by the caller, not echoed
+
+
+def test_heartbeat_outside_a_launched_worker_does_nothing(capfd):
+    heartbeat()
+    assert capfd.readouterr() == ("", "")
 
 
 def test_workers_exit_when_their_caller_is_killed(tmp_path):
@@ -103,7 +124,9 @@ def test_under_torchrun_it_joins_the_job(tmp_path):
     script.write_text("import minipar, workers_launch\n"
                       "if __name__ == '__main__':\n"
                       "    print('RESULT', minipar.launch(workers_launch.hello, 2, 7))\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    # tests/ for the worker module, then the caller's path: this tree's minipar, not the installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH")]))}
     with socket.socket() as s:  # a free port for torchrun's rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

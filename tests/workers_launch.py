@@ -30,9 +30,11 @@ def fail_on(bad_rank, folder):
     time.sleep(60)
 
 
-def die_on(bad_rank, folder):
+def die_on(bad_rank, folder, last_words=None):
     note_pid(folder)
     if dist.get_rank() == bad_rank:
+        if last_words:
+            print(last_words, flush=True)
         os._exit(3)
     time.sleep(60)
 
@@ -42,6 +44,16 @@ def hang_on(bad_rank, folder):
     if dist.get_rank() == bad_rank:
         time.sleep(600)   # a rank stuck in its own code
     dist.barrier()
+
+
+def silent_but_alive(seconds, every):
+    """Run `seconds` without printing a line, saying heartbeat() every `every` seconds."""
+    from minipar.launch import heartbeat
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        heartbeat()
+        time.sleep(every)
+    return dist.get_rank()
 
 
 def backend_and_threads():
