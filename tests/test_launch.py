@@ -1,17 +1,19 @@
-"""The launcher: results by rank, output echoed, and the three ways a job goes wrong."""
+"""The launcher: results by rank, output echoed, the ways a job goes wrong, and scripts it refuses."""
+import importlib.machinery
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import workers_launch as w
 
 import minipar
-from minipar.launch import heartbeat
+from minipar.launch import check_script, heartbeat
 
 
 def alive(pid: int) -> bool:
@@ -136,3 +138,86 @@ def test_under_torchrun_it_joins_the_job(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     # every rank gets every rank's result (the two ranks' prints may interleave)
     assert out.stdout.count("RESULT") == out.stdout.count("[(0, 1.0), (7, 1.0)]") == 2
+
+
+# ----------------------------------------------------------------------------- the caller's script
+
+README = "import minipar\n\nresults = minipar.launch(minipar.demos.hello, 3)\nprint(results)\n"
+IN_GUARD = ("import minipar\n\nif __name__ == '__main__':\n    def work():\n        return 1\n\n"
+            "    print(minipar.launch(work, 2))\n")
+RIGHT = ("import minipar\n\ndef work():\n    return 1\n\n"
+         "if __name__ == '__main__':\n    print('RESULT', minipar.launch(work, 2))\n")
+
+
+def run_script(folder, source: str) -> subprocess.CompletedProcess:
+    (folder / "job.py").write_text(source)
+    return subprocess.run([sys.executable, "job.py"], cwd=folder, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("source, message", [
+    (README, 'job.py has no `if __name__ == "__main__":` block: worker processes re-import job.py; '
+             'put the code that launches under `if __name__ == "__main__":`'),
+    (IN_GUARD, "fn 'work' is defined inside `if __name__ == \"__main__\":` of job.py; workers "
+               "re-import the script without running that block: define it at the top level (or in "
+               "a module)"),
+], ids=["the README without a guard", "fn inside the guard"])
+def test_a_script_workers_cannot_import_fails_before_any_worker(tmp_path, source, message):
+    out = run_script(tmp_path, source)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == f"ValueError: {message}"
+    assert "[rank" not in out.stdout + out.stderr  # no worker started
+
+
+def test_a_guarded_script_launches(tmp_path):
+    out = run_script(tmp_path, RIGHT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RESULT [1, 1]" in out.stdout
+
+
+def fake_main(path=None, spec: str | None = None) -> types.ModuleType:
+    """A `__main__` as python sets it: a script's has __file__, python -m's a __spec__ too."""
+    main = types.ModuleType("__main__")
+    if path is not None:
+        main.__file__ = str(path)
+    main.__spec__ = importlib.machinery.ModuleSpec(spec, None) if spec else None
+    return main
+
+
+def in_main():
+    """A function that claims to be defined in __main__ (as a script's functions are)."""
+
+
+in_main.__module__ = "__main__"
+
+
+def test_callers_that_workers_can_import_pass(tmp_path):
+    check_script(w.hello, fake_main())  # python -c, the REPL: nothing is re-run
+    check_script(w.hello, fake_main(Path(sys.executable).parent / "pytest"))  # the pytest console script
+    check_script(w.hello, fake_main(Path(pytest.__file__).parent / "__main__.py", "pytest.__main__"))
+    module = tmp_path / "tool.py"  # python -m tool, guarded, fn at the top level or in the else
+    module.write_text("def in_main(): pass\nif __name__ == '__main__':\n    pass\n")
+    check_script(in_main, fake_main(module, "tool"))
+    module.write_text("if __name__ == '__main__':\n    def in_main(): pass\nelse:\n    in_main = 1\n")
+    check_script(in_main, fake_main(module))
+
+
+def test_callers_that_workers_cannot_import_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="defined in a notebook or REPL"):
+        check_script(in_main, fake_main())
+    module = tmp_path / "tool.py"
+    module.write_text("import minipar\nminipar.launch(print, 2)\n")
+    with pytest.raises(ValueError, match="has no `if __name__"):  # python -m tool, no guard
+        check_script(w.hello, fake_main(module, "tool"))
+    with pytest.raises(ValueError, match="which workers do not import"):  # python -m package
+        check_script(in_main, fake_main(tmp_path / "__main__.py", "pkg.__main__"))
+
+
+def test_in_ipython_a_session_function_is_refused_and_a_module_one_passes():
+    code = ("import workers_launch\nfrom minipar.launch import check_script\n"
+            "check_script(workers_launch.hello)\nprint('MODULE OK')\ndef work(): pass\n"
+            "check_script(work)\n")
+    out = subprocess.run([sys.executable, "-m", "IPython", "--quick", "--colors=nocolor", "-c", code],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent)
+    assert "MODULE OK" in out.stdout
+    assert "fn 'work' is defined in a notebook or REPL" in out.stdout + out.stderr
