@@ -16,7 +16,9 @@ share to rank 0 once, loading reads the whole file on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import os
 
 import torch
@@ -61,7 +63,9 @@ def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | N
 
 
 def save(checkpoint: dict, path: str) -> None:
-    """Write atomically: to a temporary file beside `path`, flushed, then renamed over it."""
+    """Write atomically: to a temporary file beside `path`, flushed, then renamed over it. A save
+    that was killed half-way left its temporary file behind: it is removed here."""
+    _remove_stale_tmps(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -72,6 +76,22 @@ def save(checkpoint: dict, path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _remove_stale_tmps(path: str) -> None:
+    """Remove `<path>.tmp-<pid>` files whose writer is dead (a SIGKILL mid-save); a live pid's file
+    is another save under way, and stays."""
+    for tmp in glob.glob(f"{glob.escape(path)}.tmp-*"):
+        pid = tmp.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue  # not one of ours; our own is rewritten by this save
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):  # another saver removed it first
+                os.remove(tmp)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def load(path: str, cfg) -> dict:

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 from reference import assert_same_training
 
 import minipar
@@ -77,6 +78,26 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
         writer.wait()
     assert glob.glob(path + ".tmp-*")  # the half-written file is left, beside the checkpoint
     assert checkpoint.load(path, TINY)["steps_done"] == 7  # the previous one, whole
+
+
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
+    path = str(tmp_path / "c.pt")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process
+    saving = subprocess.Popen(["sleep", "60"])  # stands for a concurrent save, alive
+    try:
+        stale, busy, other = (f"{path}.tmp-{dead.pid}", f"{path}.tmp-{saving.pid}",
+                              f"{path}.tmp-notes")
+        for tmp in (stale, busy, other):
+            with open(tmp, "wb") as f:
+                f.write(b"half a checkpoint")
+        checkpoint.save({"steps_done": 1}, path)
+        assert not os.path.exists(stale)  # its writer was killed: litter
+        assert os.path.exists(busy) and os.path.exists(other)  # a live writer's; not a save's
+        assert torch.load(path) == {"steps_done": 1}
+    finally:
+        saving.kill()
+        saving.wait()
 
 
 def test_wrong_files_are_refused_before_any_process(tmp_path, saved_3d):
