@@ -15,3 +15,9 @@ def test_a_plan_nothing_satisfies_says_what_would(capsys):
     with pytest.raises(SystemExit, match="no layout fits: .*GPUs"):
         main(["plan", "--model", "gpt2-xl", "--n-layer", "96", "--d-model", "12288", "--n-head", "96",
               "--cluster", "dgx-a100-80g", "--global-batch", "8"])  # GPT-3 175B on 8 GPUs
+
+
+@pytest.mark.parametrize("flag, value", [("--top", "0"), ("--top", "-3"), ("--global-batch", "0")])
+def test_a_top_or_global_batch_below_one_is_an_error_naming_it(flag, value):
+    with pytest.raises(SystemExit, match=f"^error: {flag[2:].replace('-', '_')} must be a positive integer"):
+        main(["plan", "--model", "gpt2-xl", "--cluster", "dgx-h100", "--global-batch", "64", flag, value])

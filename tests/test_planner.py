@@ -211,3 +211,40 @@ def test_heterogeneous_layers_move_out_of_a_stage_that_overflows():
     assert roomy.layers[1] > 2 * roomy.layers[0]            # by speed: the H100s take most layers
     assert tight.fits and tight.layers[1] < tight.layers[0]  # by memory: 20 GiB holds fewer
     assert sum(tight.stages[1].values()) <= 20 * GiB
+
+
+def _variant(best, slower: float = 0.0, more_gib: float = 0.0, **terms):
+    """best, `slower` seconds slower (split over `terms`: {term: seconds}) with `more_gib` GiB more."""
+    return dataclasses.replace(best, step_time=best.step_time + slower,
+                               breakdown={k: v + terms.get(k, 0.0) for k, v in best.breakdown.items()},
+                               memory={**best.memory, "params": best.memory["params"] + more_gib * GiB})
+
+
+def test_explain_says_nothing_of_float_noise_and_calls_less_memory_less():
+    best = estimate(CFG, ParallelConfig(dp=8), Cluster.preset(A100), global_batch=32, micro_batch=1)
+    step = best.step_time
+    lines = explain([best,
+                     _variant(best, 1e-16, -10.2, bubble=1e-16),          # a tie, in less memory
+                     _variant(best, 0.0, 0.01),                           # a tie, as big
+                     _variant(best, 0.01 * step, 2.0, dp_comm=0.01 * step + 8.88e-16,
+                              bubble=-8.88e-16),                          # noise in the saving
+                     _variant(best, 0.01 * step, dp_comm=0.02 * step, bubble=-0.01 * step)],
+                    top=5).splitlines()
+    assert lines[1].endswith(": as fast, with 10.2 GiB less")
+    assert lines[2].endswith(": as fast, with the same memory")
+    assert lines[3].endswith(f"mostly dp_comm (+{0.01 * step + 8.88e-16:.3g} s)")  # no "saves 8.88e-16 s"
+    assert lines[4].endswith(f"though it saves {0.01 * step:.3g} s of bubble")
+
+
+@pytest.mark.parametrize("top", [0, -3, 2.5])
+def test_the_table_and_explanation_refuse_a_top_below_one(top):
+    ests = [estimate(CFG, ParallelConfig(dp=8), Cluster.preset(A100), global_batch=32, micro_batch=1)]
+    for show in (format_table, explain):
+        with pytest.raises(ValueError, match=f"^top must be a positive integer .*got {top}$"):
+            show(ests, top=top)
+
+
+@pytest.mark.parametrize("global_batch", [0, -8])
+def test_plan_refuses_a_global_batch_below_one_by_name(global_batch):
+    with pytest.raises(ValueError, match=f"^global_batch must be a positive integer .*got {global_batch}$"):
+        plan(CFG, Cluster.preset(A100), global_batch)

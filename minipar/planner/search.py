@@ -13,6 +13,12 @@ class NoFeasiblePlan(ValueError):
     """No layout fits the cluster's memory; the message says what would."""
 
 
+# Differences the explanation calls none: the cost model's float rounding ("saves 8.88e-16 s of
+# bubble") is not a reason, and neither is a tenth of a percent of a step.
+NEGLIGIBLE_TIME = 1e-3         # of the winner's step time
+NEGLIGIBLE_MEMORY = 0.05 * GiB  # bytes a GPU
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -58,6 +64,9 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     """Every layout of `candidates` that fits memory_per_gpu, fastest first. Each takes the first of
     `recompute` with which it fits (recomputing more only costs time). Raises NoFeasiblePlan, saying
     what would fit, when none does."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive integer (sequences a step), got "
+                         f"{global_batch!r}")
     fitting, smallest = [], None
     for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages,
                              zero, precision):
@@ -125,28 +134,42 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
 def explain(estimates: list[Estimate], top: int = 5) -> str:
     """Why the winner wins: for each runner-up, the breakdown term that
     costs it most against the winner."""
+    _check_top(top)
     if not estimates:
         return "no estimates"
     best = estimates[0]
+    tiny = NEGLIGIBLE_TIME * best.step_time
     lines = [f"#1 {best.label}: {best.step_time:.4g} s ({best.mfu:.1%} MFU)"]
     for i, e in enumerate(estimates[1:top], 2):
-        if e.step_time - best.step_time <= 1e-9 * best.step_time:
-            lines.append(f"#{i} {e.label}: as fast, with "
-                         f"{(e.total_memory - best.total_memory) / GiB:+.1f} GiB")
+        if e.step_time - best.step_time <= tiny:
+            lines.append(f"#{i} {e.label}: as fast, {_memory_against(e, best)}")
             continue
         diff = {k: e.breakdown[k] - best.breakdown[k] for k in TERMS}
         worst, gain = max(diff, key=diff.get), min(diff, key=diff.get)
         line = (f"#{i} {e.label}: +{e.step_time - best.step_time:.3g} s "
                 f"({e.step_time / best.step_time - 1:+.1%}), mostly {worst} (+{diff[worst]:.3g} s)")
-        if diff[gain] < 0:
+        if -diff[gain] > tiny:
             line += f", though it saves {-diff[gain]:.3g} s of {gain}"
         lines.append(line)
     return "\n".join(lines)
 
 
+def _memory_against(e: Estimate, best: Estimate) -> str:
+    more = e.total_memory - best.total_memory
+    if abs(more) < NEGLIGIBLE_MEMORY:
+        return "with the same memory"
+    return f"with {abs(more) / GiB:.1f} GiB {'more' if more > 0 else 'less'}"
+
+
+def _check_top(top) -> None:
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a positive integer (the rows to show), got {top!r}")
+
+
 def format_table(estimates: list[Estimate], top: int = 10) -> str:
     """The ranked estimates as a text table: layout, step time, TFLOP/s,
     MFU, memory, and the breakdown (s)."""
+    _check_top(top)
     heads = ["#", "layout", "step s", "TFLOP/s", "MFU", "GiB"] + list(TERMS)
     rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
              f"{e.total_memory / GiB:.1f}"] + [f"{e.breakdown[k]:.3g}" for k in TERMS]
