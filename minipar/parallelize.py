@@ -19,11 +19,13 @@ seed's initialisation); its optimizer moments after 4, cut the same way (checkpo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from minipar import checkpoint
+from minipar.clip import ClipGradNorm
 from minipar.comm import CommStats
 from minipar.config import ParallelConfig
 from minipar.data_parallel import DataParallelBucket, DataParallelNaive
@@ -41,7 +43,8 @@ from minipar.zero import Zero3, ZeroOptimizer
 @dataclass
 class Parallel:
     """What one rank trains with. A step: forward and backward (through `pipe` if pp > 1, with
-    `loss_fn`), then `sync_and_step()`."""
+    `loss_fn`), then `sync_and_step(max_norm)`; `set_lr` before it for a schedule, `evaluate` for a
+    held-out loss, `scaler_state` for a checkpoint."""
     model: torch.nn.Module            # this rank's share of the GPT (names as in GPT)
     optimizer: object                 # AdamW, or a ZeRO optimizer that also reduces the gradients
     mp: MixedPrecision                # autocast, loss scaling, fp32 masters
@@ -51,19 +54,63 @@ class Parallel:
     dp: DataParallelNaive | None = None       # reduces the model's gradients (dp > 1, no ZeRO)
     masters: DataParallelNaive | None = None  # or the fp32 masters' (mixed precision, reduce_fp32)
     pipe: PipelineExecutor | None = None
+    stats: CommStats | None = None            # where clipping counts its all-reduces
 
-    def sync_and_step(self) -> None:
+    def sync_and_step(self, max_norm: float = 0.0) -> float | None:
         """After backward: average the gradients over DP, sum SP's partial ones over TP, then step
         the optimizer (ZeRO's reduces its gradients itself; MixedPrecision's moves the grads to the
-        fp32 masters, reduces those, steps and rounds back)."""
+        fp32 masters, reduces those, steps and rounds back).
+
+        max_norm > 0: first clip the gradients the optimizer steps by their global norm, as
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) on one process, and return
+        that norm (before clipping; inf or nan on an fp16 overflow, whose step is skipped). 0: no
+        clipping, no communication for it, None returned. See clip.py."""
+        clip = None
+        if max_norm != 0:  # the pp and tp ranks hold different parts; ZeRO adds its DP group
+            groups = ([self.tp.group] if self.tp else []) + ([self.pipe.group] if self.pipe else [])
+            clip = ClipGradNorm(max_norm, tuple(groups), self.tp.rank if self.tp else 0, self.stats)
         if self.dp:
             self.dp.finish()
         if self.tp and self.tp.sequence_parallel:  # after DP's, which writes the gradients back
             sync_sequence_parallel_grads(self.model, self.tp)
         if isinstance(self.optimizer, (ZeroOptimizer, Zero3)):
-            self.optimizer.step()
+            self.optimizer.step(clip=clip)
         else:
-            self.mp.step(self.optimizer, reduce=self.masters.reduce if self.masters else None)
+            reduce = self.masters.reduce if self.masters else None
+            self.mp.step(self.optimizer, reduce=reduce, clip=clip)
+        return clip.norm if clip else None
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of every optimizer this rank steps, from the next step on (AdamW's
+        groups; ZeRO's shard optimizers, one per unit in stage 3): a warmup or decay schedule."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
+            raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
+
+    def evaluate(self, inputs: list, targets: list) -> float:
+        """The mean loss over this rank's micro-batches (inputs[j], targets[j]: (b, s) token ids on
+        the device), forward only: no gradient made or changed, no activation kept, in eval mode.
+        With pp > 1 through the pipeline, every rank getting the result. The DP ranks' results
+        differ (their rows do): average them, weighted by rows, for the global batch's."""
+        if not inputs or len(inputs) != len(targets):
+            raise ValueError(f"evaluate needs as many targets as inputs, at least one: got "
+                             f"{len(inputs)} inputs and {len(targets)} targets")
+        training = self.model.training
+        self.model.eval()  # no dropout
+        try:
+            with torch.no_grad(), self.mp.autocast():
+                if self.pipe:
+                    return self.pipe.evaluate(inputs, targets)
+                losses = [self.loss_fn(self.model(x), y).double() for x, y in zip(inputs, targets)]
+                return (sum(losses) / len(losses)).item()
+        finally:
+            self.model.train(training)
+
+    def scaler_state(self) -> dict | None:
+        """fp16's loss scaler state, for a checkpoint ({"scale", "good_steps"}; `parallelize(...,
+        resumed=...)` restores its "scaler"); None in the other precisions."""
+        return self.mp.scaler.state_dict() if self.mp.scaler else None
 
     def close(self) -> None:
         for sync in (self.dp, self.masters):
@@ -161,4 +208,6 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
                                 loss_fn=loss_fn, stats=stats, after_compute=after_compute)
     if resumed:
         checkpoint.restore(resumed, model, optimizer, mp, tp)
-    return Parallel(model, optimizer, mp, loss_fn, tp, dp, masters, pipe)
+        if resumed.get("scaler") and mp.scaler:  # another precision's run has none, or ignores it
+            mp.scaler.load_state_dict(resumed["scaler"])
+    return Parallel(model, optimizer, mp, loss_fn, tp, dp, masters, pipe, stats)

@@ -68,6 +68,20 @@ class LossScaler:
                 self.scale *= self.growth
                 self.good_steps = 0
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run scales as the uninterrupted one would."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        scale, good = state.get("scale"), state.get("good_steps")
+        if not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"the loss scaler state's scale must be a positive number, got "
+                             f"{scale!r}")
+        if not isinstance(good, int) or good < 0:
+            raise ValueError(f"the loss scaler state's good_steps must be a non-negative integer, "
+                             f"got {good!r}")
+        self.scale, self.good_steps = float(scale), good
+
 
 class MixedPrecision:
     """Puts `model` in `precision` (in place) and keeps what the
@@ -152,11 +166,19 @@ class MixedPrecision:
         for p, m in zip(self.params, self.master):
             p.copy_(m)
 
-    def step(self, optimizer, reduce=None) -> bool:
+    def step(self, optimizer, reduce=None, clip=None) -> bool:
         """grads_to_master(reduce), optimizer.step() unless fp16 overflowed, master_to_model;
-        returns whether it stepped. The fp32 master grads are freed after
-        the update: only the model's persist."""
+        returns whether it stepped. The fp32 master grads are freed after the update: only the
+        model's persist. clip: a ClipGradNorm, which scales the grads the optimizer steps (the
+        masters', unscaled) by the global norm before the update (its `norm` says what it was)."""
         took = self.grads_to_master(reduce)
+        if clip is not None:  # measured even on an overflow: its all-reduces run on every rank
+            holders = self.master if self.master is not None else self.params
+            grads = [(h.grad, p) for h, p in zip(holders, self.params)]
+            coefficient = clip.coefficient(grads, self.params[0].device)
+            if took and coefficient < 1.0:
+                for g in (g for g, _ in grads if g is not None):
+                    g.mul_(coefficient)
         if took:
             optimizer.step()
         if self.master is not None:

@@ -25,23 +25,23 @@ Mixed precision (bf16, fp16): parameters and gradients live and travel in 16 bit
 an fp32 master copy of its shard only, which AdamW updates and which is rounded back into the 16-bit
 shard before the all-gather. That is the ZeRO paper's accounting: 2 + 2 + K bytes a parameter,
 K = 12. In fp16 the gradients are unscaled in fp32, and since each rank sees only its shard, an
-overflow flag is all-reduced (one float) so that all ranks skip the step together.
+overflow flag is all-reduced (one float) so that all ranks skip the step together; clipping by the
+global norm likewise adds up each rank's sum of squares over its shard (clip.py).
 
 Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter), N ranks (in bf16:
 2P params, 2P grads, 12P optimizer, sharded the same way, and half the traffic):
   memory    stage 0 (DP)  4P params + 4P grads + 8P optimizer
             stage 1       4P params + 4P grads + 8P/N optimizer
             stage 2       4P params + 4P/N grads + 8P/N optimizer
-            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + the gathered units
-                          (two at most)
+            stage 3       4P/N params + 4P/N grads + 8P/N optimizer, + two gathered units at most
             (+ up to N-1 padding elements per flat buffer)
-  traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as DP's
-                     all-reduce
+  traffic   stages 1, 2: reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as in DP
             stage 3: all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x),
                      per micro-batch (with gradient accumulation it gathers again for each)
 """
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -56,12 +56,9 @@ class _Flat:
     def __init__(self, params: list, n: int, rank: int):
         self.params, self.n = params, n
         self.shapes = [p.shape for p in params]  # kept: a freed parameter is empty
-        self.ranges, offset = [], 0
-        for p in params:
-            self.ranges.append((offset, offset + p.numel()))
-            offset += p.numel()
-        self.total = offset
-        self.shard_size = -(-offset // n)  # ceil
+        ends = list(itertools.accumulate(p.numel() for p in params))
+        self.ranges, self.total = list(zip([0, *ends], ends)), ends[-1]
+        self.shard_size = -(-self.total // n)  # ceil
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
     def flatten(self, tensors, dtype=None) -> torch.Tensor:
@@ -79,21 +76,23 @@ class _Flat:
             p.data = flat[start:end].view(shape)
 
     def adamw(self, shard: torch.Tensor, lr, weight_decay, betas):
-        """PyTorch's AdamW over the pieces of the parameters that fall in my shard, and the pieces.
+        """PyTorch's AdamW over the pieces of the parameters that fall in my shard, the pieces, and
+        the parameter each is cut from (its tp_dim says how clipping counts it).
 
         Each piece is a Parameter aliasing `shard` (the fp32 master shard in mixed precision), with
         its (start, end) in the shard. Weight decay goes to the pieces of matrices only, as in the
         single-process optimizer."""
-        decay, no_decay, pieces = [], [], []
-        for shape, (start, end) in zip(self.shapes, self.ranges):
+        decay, no_decay, pieces, owners = [], [], [], []
+        for param, shape, (start, end) in zip(self.params, self.shapes, self.ranges):
             a, b = max(start, self.lo), min(end, self.hi)
             if a < b:
                 piece = torch.nn.Parameter(shard[a - self.lo: b - self.lo])
                 pieces.append((piece, a - self.lo, b - self.lo))
+                owners.append(param)
                 (decay if len(shape) >= 2 else no_decay).append(piece)
         optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
                                        dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=betas)
-        return optimizer, pieces
+        return optimizer, pieces, owners
 
 
 class _Shard:
@@ -106,14 +105,14 @@ class _Shard:
         self.params, self.master = params, master
         self.grads = torch.zeros_like(self.params)
         updated = self.params if master is None else master
-        self.optimizer, self.pieces = layout.adamw(updated, lr, weight_decay, betas)
+        self.optimizer, self.pieces, self.owners = layout.adamw(updated, lr, weight_decay, betas)
 
-    def update(self, loss_scale: float = 1.0) -> None:
-        """AdamW on the shard (with fp32 gradients when there are
-        masters), then round into params."""
+    def update(self, loss_scale: float = 1.0, coefficient: float = 1.0) -> None:
+        """AdamW on the shard (with fp32 gradients when there are masters), on the gradients
+        unscaled and times `coefficient` (clipping's), then round into params."""
         grads = self.grads.float() if self.master is not None else self.grads  # transient fp32 copy
-        if loss_scale != 1.0:
-            grads = grads / loss_scale
+        if loss_scale != 1.0 or coefficient != 1.0:  # a power of 2 divides exactly
+            grads = grads * (coefficient / loss_scale)
         for piece, a, b in self.pieces:
             piece.grad = grads[a:b]
         self.optimizer.step()
@@ -143,6 +142,12 @@ def _overflowed(shards: list, scaler, group, stats: comm.CommStats | None) -> bo
     return bool(flag.item())
 
 
+def _clip(clip, shards: list, scale: float, group) -> float:
+    """Clipping's coefficient (1.0 without clip), over the pieces of all the group's shards."""
+    owned = [(s.grads[a:b], p) for s in shards for (_, a, b), p in zip(s.pieces, s.owners)]
+    return clip.coefficient(owned, shards[0].params.device, scale, also=(group,)) if clip else 1.0
+
+
 def _group_size_rank(group) -> tuple[int, int]:
     """(N, rank) of the group; one process with no group is a group of one."""
     return (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
@@ -161,8 +166,7 @@ def _all_gather(shard: torch.Tensor, group, ops: comm.Collectives) -> torch.Tens
 
 
 class ZeroOptimizer:
-    """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after
-    backward (it syncs gradients too).
+    """AdamW with ZeRO stage 1 or 2 over `group`: call `step()` after backward (it syncs too).
 
     dtype, master: the parameters' dtype, and whether to keep fp32 master shards (mixed precision);
     scaler: fp16's LossScaler, whose scale multiplied the loss (None otherwise); stats: the
@@ -187,8 +191,9 @@ class ZeroOptimizer:
         self.mine = _Shard(self.layout, self.flat[lo:hi], fp32[lo:hi].clone() if master else None,
                            lr, weight_decay, betas)
 
-    def step(self) -> None:
-        """Average the gradients into my shard, update my shard, all-gather the parameters."""
+    def step(self, clip=None) -> None:
+        """Average the gradients into my shard, update my shard, all-gather the parameters.
+        clip: a ClipGradNorm, to scale the gradients by the global norm (its `norm`) first."""
         grads = self.layout.flatten(p.grad for p in self.params)
         if self.stage == 2:  # keep only the shard: the full gradient goes as soon as it is reduced
             for p in self.params:
@@ -196,9 +201,11 @@ class ZeroOptimizer:
         self.mine.grads.copy_(_reduce_scatter(grads, self.group, self.ops)).div_(self.size)
         del grads
         scale = self.scaler.scale if self.scaler else 1.0  # read before an overflow backs it off
-        if _overflowed([self.mine], self.scaler, self.group, self.stats):
+        overflow = _overflowed([self.mine], self.scaler, self.group, self.stats)
+        coefficient = _clip(clip, [self.mine], scale, self.group)
+        if overflow:
             return  # fp16 overflow: nothing changed, nothing to gather
-        self.mine.update(scale)
+        self.mine.update(scale, coefficient)
         self.flat.copy_(_all_gather(self.mine.params, self.group, self.ops))
 
     def zero_grad(self) -> None:
@@ -206,15 +213,17 @@ class ZeroOptimizer:
             p.grad = None
         self.mine.grads.zero_()
 
+    @property
+    def param_groups(self) -> list[dict]:  # a torch optimizer's: where the learning rate is set
+        return self.mine.optimizer.param_groups
+
     def state_tensors(self):
-        """The optimizer state this rank holds: master shard, moments
-        and step counters of its shard."""
+        """The optimizer state this rank holds: its shard's master, moments and step counts."""
         return self.mine.state_tensors()
 
     def grad_tensors(self):
-        """The gradients this rank keeps: all of them in stage 1, its shard in stage 2.
-
-        (In stage 1 the reduced shard is the reduce-scatter's output: a comm buffer.)"""
+        """The gradients this rank keeps: all of them in stage 1 (where the reduced shard is the
+        reduce-scatter's output: a comm buffer), its shard in stage 2."""
         if self.stage == 1:
             return [p.grad for p in self.params if p.grad is not None]
         return [self.mine.grads]
@@ -244,13 +253,11 @@ class _Unit:
         fp32 = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi]
         self.mine = _Shard(self.layout, fp32.to(dtype, copy=True), fp32.clone() if master else None,
                            lr, weight_decay, betas)
-        self.full = torch.empty(self.mine.params.numel() * n, dtype=dtype,
-                                device=self.mine.params.device)
+        self.full = self.mine.params.new_empty(self.mine.params.numel() * n)
         self.layout.point_params_at(self.full)
-        self.gathering = None   # the future of an all-gather in flight
-        self.gathered = True
-        self.grads_in = 0       # parameters whose gradient has arrived in this backward
-        self.reducing = []      # reduce-scatters of this unit's gradients in flight
+        self.gathering, self.gathered = None, True  # the future of an all-gather in flight
+        # parameters whose gradient has arrived in this backward; their reduce-scatters in flight
+        self.grads_in, self.reducing = 0, []
         self.free()
 
     def free(self) -> None:
@@ -266,12 +273,12 @@ class _Unit:
 
 class Zero3:
     """ZeRO stage 3 over `group`: shards `model` in place; call `step()` after backward.
-    dtype, master, scaler, stats: as ZeroOptimizer's."""
+    dtype, master, scaler, stats, and step's clip: as ZeroOptimizer's."""
 
     def __init__(self, model: torch.nn.Module, group=None, lr: float = 1e-3,
-                 weight_decay: float = 0.0,
-                 betas=(0.9, 0.95), collectives: str = "minipar", dtype=torch.float32,
-                 master: bool = False, scaler=None, stats: comm.CommStats | None = None):
+                 weight_decay: float = 0.0, betas=(0.9, 0.95), collectives: str = "minipar",
+                 dtype=torch.float32, master: bool = False, scaler=None,
+                 stats: comm.CommStats | None = None):
         self.group, self.collectives, self.scaler, self.stats = group, collectives, scaler, stats
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self.ops = comm.implementation(collectives, stats, self.scratch)
@@ -295,8 +302,7 @@ class Zero3:
         unit = self.units[i]
         if not unit.gathered and unit.gathering is None:
             unit.gathering = self._comm.submit(unit.gather, self.group, self.ops)
-            self.gathered_bytes += unit.mine.params.numel() * self.size * \
-                unit.mine.params.element_size()
+            self.gathered_bytes += unit.full.numel() * unit.full.element_size()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _gather(self, i: int) -> None:
@@ -311,8 +317,7 @@ class Zero3:
     def _free(self, i: int) -> None:
         unit = self.units[i]
         if unit.gathered:
-            self.gathered_bytes -= unit.mine.params.numel() * self.size * \
-                unit.mine.params.element_size()
+            self.gathered_bytes -= unit.full.numel() * unit.full.element_size()
             unit.free()
 
     def _before_forward(self, i: int) -> None:
@@ -347,29 +352,32 @@ class Zero3:
 
     # ------------------------------------------------------------------------- optimizer interface
 
-    def step(self) -> None:
+    def step(self, clip=None) -> None:
         for unit in self.units:
             reduced = [r.result() for r in unit.reducing]  # one per micro-batch
             unit.reducing.clear()
-            unit.mine.grads = sum(reduced[1:],
-                                  reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
-            unit.mine.grads.div_(self.size)
+            grads = sum(reduced[1:], reduced[0]) if reduced else torch.zeros_like(unit.mine.params)
+            unit.mine.grads = grads.div_(self.size)
         self._comm.submit(self.scratch.release).result()  # free it, until the next backward
         scale = self.scaler.scale if self.scaler else 1.0
-        if _overflowed([u.mine for u in self.units], self.scaler, self.group, self.stats):
+        overflow = _overflowed([u.mine for u in self.units], self.scaler, self.group, self.stats)
+        coefficient = _clip(clip, [u.mine for u in self.units], scale, self.group)
+        if overflow:
             return
         for unit in self.units:
-            unit.mine.update(scale)
+            unit.mine.update(scale, coefficient)
 
     def zero_grad(self) -> None:
         """Drop the gradient shards: between steps a rank keeps no gradients at all."""
         for unit in self.units:
-            unit.mine.grads = torch.zeros(0, dtype=unit.mine.params.dtype,
-                                          device=unit.mine.params.device)
+            unit.mine.grads = unit.mine.params.new_zeros(0)
+
+    @property
+    def param_groups(self) -> list[dict]:  # every unit's shard optimizer's
+        return [group for unit in self.units for group in unit.mine.optimizer.param_groups]
 
     def gather_all(self) -> None:
-        """Gather every unit (collective), e.g. to read the full weights;
-        the next forward frees them."""
+        """Gather every unit (a collective), to read the full weights; the next forward frees."""
         for i in range(len(self.units)):
             self._gather(i)
 

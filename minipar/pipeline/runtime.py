@@ -1,5 +1,4 @@
-"""Pipeline runtime: cut the GPT into chunks, then run any schedule's
-actions with point-to-point sends.
+"""Pipeline runtime: cut the GPT into chunks, run any schedule's actions with point-to-point sends.
 
 Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the
 batch into m micro-batches; activations travel forward from stage to stage and their gradients
@@ -50,17 +49,15 @@ from minipar.pipeline.schedules import Action, check, replay
 
 
 def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]:
-    """Contiguous layer ranges, one per chunk: uniform, given sizes, or
-    minimising the largest chunk's cost.
+    """Contiguous layer ranges, one per chunk: uniform, of given sizes, or of least largest cost.
 
     costs=None: sizes differ by at most one, the first chunks take the extra layers.
-    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers:
-    a heterogeneous plan's split).
+    layers: the sizes themselves, one per chunk (ParallelConfig.stage_layers: a heterogeneous
+    plan's split).
     costs: n_layer per-layer costs (seconds, FLOPs...), or n_layer + 2 values [embedding, layer 0,
     ..., layer l-1, head + loss]: the first chunk then also pays the embedding and the last the
-    head. The split minimises the maximum chunk cost (dynamic programming
-    over the boundaries, O(chunks·l²)).
-    """
+    head. The split minimises the maximum chunk cost (dynamic programming over the boundaries,
+    O(chunks·l²))."""
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if chunks > n_layer:
@@ -88,9 +85,8 @@ def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]
                                    #   the k-th starts)
         for k in range(1, chunks + 1):
             for i in range(k, n_layer + 1):
-                best[k,
-                     i] = min((max(best[k - 1, j][0], cost(j, i)), j) for j in range(k - 1, i)
-                              if (k - 1, j) in best)
+                best[k, i] = min((max(best[k - 1, j][0], cost(j, i)), j)
+                                 for j in range(k - 1, i) if (k - 1, j) in best)
         bounds = [n_layer]
         for k in range(chunks, 0, -1):
             bounds.insert(0, best[k, bounds[0]][1])
@@ -100,10 +96,9 @@ def partition(n_layer: int, chunks: int, costs=None, layers=None) -> list[range]
 class Chunk(nn.Module):
     """Some consecutive layers of a GPT, holding the GPT's own modules (references, not copies).
 
-    forward: idx (B, T) int64 if `first`, else hidden (B, T, h) -> hidden (B, T, h), or logits (B,
-    T, V) if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"),
-    so state dicts merge back.
-    """
+    forward: idx (B, T) int64 if `first`, else hidden (B, T, h) -> hidden (B, T, h), or logits
+    (B, T, V) if `last`. Parameter names are the GPT's ("blocks.2.attn.q.weight"): state dicts
+    merge back."""
 
     def __init__(self, model: GPT, layers: range, first: bool, last: bool):
         super().__init__()
@@ -115,8 +110,7 @@ class Chunk(nn.Module):
             self.ln_f, self.head = model.ln_f, model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:  # the same expression as GPT.forward, so the numbers are the same
-            # (B, T, h)
+        if self.first:  # (B, T, h), by the same expression as GPT.forward: the same numbers
             x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
@@ -145,8 +139,7 @@ def free_unused(model: GPT, chunks) -> None:
 
 
 def gather_stages(share, group) -> list:
-    """Every pipeline stage's `share` (any picklable object: its part
-    of the weights...), in stage order."""
+    """Every pipeline stage's `share` (anything picklable: its part of the weights...), in order."""
     if group is None or dist.get_world_size(group) == 1:
         return [share]
     shares = [None] * dist.get_world_size(group)
@@ -154,8 +147,7 @@ def gather_stages(share, group) -> list:
     return shares
 
 
-# -----------------------------------------------------------------------------
-# the schedule's messages
+# ----------------------------------------------------------------------------- the messages
 
 
 def _key(a) -> tuple[str, int, int]:
@@ -163,16 +155,14 @@ def _key(a) -> tuple[str, int, int]:
 
 
 def _ends(key: tuple, p: int) -> tuple[int, int]:
-    """(sending rank, receiving rank) of message `key`: F(c) goes
-    to chunk c+1, B(c) to chunk c-1."""
+    """(sending rank, receiving rank) of message `key`: F(c) goes to chunk c+1, B(c) to c-1."""
     return key[1] % p, (key[1] + (1 if key[0] == "F" else -1)) % p
 
 
 def message_order(schedule, chunks: int) -> list[tuple]:
     """Every message of a step, named by the action that produces it (F(c): the activation for chunk
     c+1; B(c): the gradient for chunk c-1), in the order `schedules.replay` produces them: each rank
-    runs its next action as soon as its inputs exist. Any such order is
-    causal, which is all matching needs."""
+    runs its next action once its inputs exist. Any such order is causal: all matching needs."""
     p = len(schedule)
     done, stuck = replay([[Action(*_key(a)) for a in ops] for ops in schedule], p, chunks // p)
     if stuck:
@@ -186,8 +176,7 @@ def message_order(schedule, chunks: int) -> list[tuple]:
 
 
 class PipelineExecutor:
-    """Runs this rank's actions of `schedule` (one list of Actions
-    per pipeline rank), a step at a time.
+    """Runs this rank's actions of `schedule` (one list of Actions per pipeline rank), step by step.
 
     chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the
     activations between chunks; group: the pipeline group (None: the world, or no process group when
@@ -195,8 +184,7 @@ class PipelineExecutor:
     the caller steps the optimizer. If the schedule has W actions, B computes only input gradients,
     see `_weight`. stats: the CommStats that counts the messages sent ("p2p"; None: not counted).
     after_compute(seconds), if given, is called after each action with what it took (a
-    demonstration's throttle: demos_hetero).
-    """
+    demonstration's throttle: demos_hetero). `evaluate` runs forward only, without the schedule."""
 
     def __init__(self, chunks: dict, schedule, shape: tuple, group=None, loss_fn=cross_entropy,
                  stats: comm.CommStats | None = None, after_compute=None):
@@ -206,35 +194,31 @@ class PipelineExecutor:
         self.split = any(a.op == "W" for rank in schedule for a in rank)
         check([[Action(*_key(a)) for a in ops] for ops in schedule], self.p, self.m,
               self.n_chunks // self.p)
-        # p = 1: all local
-        self.ranks, self.rank = [dist.get_rank() if dist.is_initialized() else 0], 0
+        self.ranks, self.rank = [dist.get_rank() if dist.is_initialized() else 0], 0  # p = 1
         if self.p > 1:
             self.ranks = dist.get_process_group_ranks(group) if group is not None else \
                 list(range(dist.get_world_size()))
             self.rank = self.ranks.index(dist.get_rank())
         if len(self.ranks) != self.p:
-            raise ValueError(f"the schedule has {self.p} ranks but the pipeline group "
+            raise ValueError(f"the schedule has {self.p} ranks, the pipeline group "
                              f"{len(self.ranks)}")
         if set(self.chunks) != set(range(self.rank, self.n_chunks, self.p)):
             raise ValueError(f"rank {self.rank} holds chunks {sorted(self.chunks)}, the schedule "
-                             "puts "
-                             f"{list(range(self.rank, self.n_chunks, self.p))} there")
+                             f"puts {list(range(self.rank, self.n_chunks, self.p))} there")
         self.actions, self.group, self.shape = list(schedule[self.rank]), group, tuple(shape)
         self.loss_fn = loss_fn  # (logits, targets) -> mean loss; tensor parallelism passes its own
         self.stats, self.after_compute = stats, after_compute
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.device = params[0].device
-        # of what travels between chunks
-        self.dtype = next(p.dtype for p in params if p.is_floating_point())
+        self.dtype = next(p.dtype for p in params if p.is_floating_point())  # the messages'
         # this rank's messages, per peer, in the order both ends follow: (key, True if we send it)
         self.queues = {q: [] for q in range(self.p) if q != self.rank}
         for key in message_order(schedule, self.n_chunks):
             src, dst = _ends(key, self.p)
             if src != dst and self.rank in (src, dst):
                 self.queues[dst if src == self.rank else src].append((key, src == self.rank))
-        # modules holding parameters, deepest first: in split mode W runs their weight gradients one
-        # by one (depth: the chunk itself 0, its children 1...; a tie with
-        # the chunk would hand it their parameters)
+        # modules holding parameters, deepest first: in split mode W runs their weight gradients
+        # one by one (depth: the chunk 0, its children 1...; a tie would hand the chunk theirs)
         depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n,
                  m in c.named_modules()}
         self.owners = {k: sorted((m for m in c.modules() if any(True for _ in m.parameters())),
@@ -249,8 +233,7 @@ class PipelineExecutor:
         self._reset()
 
     def _reset(self) -> None:
-        """A step's state: the loss so far, the saved activations, messages
-        in and out, sends to wait on."""
+        """A step's state: the loss so far, saved activations, messages in and out, sends."""
         self._loss, self._scale = None, 1.0
         self._saved, self._inbox, self._outbox, self._sends = {}, {}, {}, []
         self._posted = {q: 0 for q in self.queues}
@@ -265,9 +248,8 @@ class PipelineExecutor:
         queue = self.queues[peer]
         while self._posted[peer] < len(queue):
             k, send = queue[self._posted[peer]]
-            assert not send or k in self._outbox, (
-                f"message {k} to rank {peer} is due before {key}, not made yet"
-            )
+            assert not send or k in self._outbox, f"message {k} to rank {peer} is due before " \
+                f"{key}, not made yet"
             if send:
                 t = self._outbox.pop(k)
                 work = comm.isend(t, self.ranks[peer], self.group, "p2p", self.stats, calls=1)
@@ -292,8 +274,7 @@ class PipelineExecutor:
         if not local and key not in self._inbox:
             self._post_until(peer, key)
         tensor, work = self._inbox.pop(key)
-        if work is not None:
-            work.wait()
+        comm.wait(work)
         return tensor
 
     def _forward(self, c: int, j: int, inputs, targets) -> float:
@@ -317,8 +298,7 @@ class PipelineExecutor:
         dy = None if c == self.n_chunks - 1 else self._receive(("B", c + 1, j))
         start = time.perf_counter()
         x, out, captured = self._saved.pop((c, j))
-        if self.split:  # input gradient only; keep the graph and each
-                        #   weight-owning module's output grad
+        if self.split:  # input gradient only; keep the graph and each weight owner's output grad
             wanted = ([x] if c > 0 else []) + [y for _, y, _ in captured]
             grads = torch.autograd.grad(out, wanted, dy, retain_graph=True, allow_unused=True)
             dx, self._saved[(c, j)] = (grads[0] if c > 0 else None), (captured,
@@ -355,35 +335,25 @@ class PipelineExecutor:
         gradients twice). The work is the weight-gradient GEMMs alone; the price is memory: from B
         to W a micro-batch keeps its whole autograd graph (its saved activations, as between F and
         B) plus one output gradient per module that owns weights (~ 12·b·s·h per layer, and b·s·V
-        for the head).
-        """
+        for the head)."""
         start = time.perf_counter()
         captured, grads = self._saved.pop((c, j))
         for (_, y, params), dy in zip(captured, grads):
             if dy is not None:
-                # kept: paths may share nodes (the attention's to q, k, v passes the projection's);
-                # the graph goes when this micro-batch's outputs do, at the end of this call
-                # into .grad, hooks fire
+                # retain_graph: paths share nodes (the attention's to q, k, v passes the proj's);
+                # the graph goes with the outputs, at the end of this call. Into .grad, hooks fire
                 torch.autograd.backward(y, dy, inputs=params, retain_graph=True)
         return start
 
     def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> tuple[float, list]:
-        """Run this rank's actions once. inputs[j] (b, s) token ids of micro-batch j are needed
-        where chunk 0 lives, targets[j] where the last chunk lives. Returns (loss, events): loss =
-        sum over j of cross_entropy_j / m as a float on the rank of the last chunk and 0.0 elsewhere
-        (so a sum over the pipeline group gives it to all); events = [(action, start, end)] in
-        time.perf_counter seconds, start being when the action's inputs had arrived. The backward
-        runs on loss · loss_scale."""
-        if (
-            0 in self.chunks
-            and inputs is None
-            or self.n_chunks - 1 in self.chunks
-            and targets is None
-        ):
-            raise ValueError(f"rank {self.rank} needs inputs (chunk 0) and/or targets (last chunk)")
+        """Run this rank's actions once (the backward on loss · loss_scale). inputs[j] (b, s): the
+        token ids of micro-batch j, needed where chunk 0 lives, targets[j] where the last one does.
+        Returns (loss, events): loss = sum over j of cross_entropy_j / m as a float on the rank of
+        the last chunk and 0.0 elsewhere (a sum over the pipeline group gives it to all); events =
+        [(action, start, end)] in time.perf_counter seconds, start: when its inputs had arrived."""
+        self._check(inputs, targets)
         self._reset()
-        self._loss, self._scale = torch.zeros((), device=self.device), float(loss_scale)
-        events = []
+        self._loss, self._scale, events = torch.zeros((), device=self.device), float(loss_scale), []
         for a in self.actions:
             op, c, j = _key(a)
             start = self._forward(c, j, inputs, targets) if op == "F" else \
@@ -392,8 +362,39 @@ class PipelineExecutor:
                 self.after_compute(time.perf_counter() - start)
             events.append((a, start, time.perf_counter()))
         comm.wait(*(work for work, _ in self._sends))
-        assert not self._saved and not self._inbox and not self._outbox, (
-            "a message or activation was left over"
-        )
+        assert not self._saved and not self._inbox and not self._outbox, "a message or " \
+            "activation was left over"
         self._sends = []
         return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), events
+
+    @torch.no_grad()
+    def evaluate(self, inputs=None, targets=None) -> float:
+        """Forward only, no gradient, the step's state untouched: the mean loss over the
+        micro-batches (inputs, targets as `step`'s) on every rank (summed from the last chunk's).
+        No schedule: all ranks walk one order, micro-batch by micro-batch and chunk by chunk, each
+        running its own chunks, sending (isend) an output when made and receiving just before use;
+        so each pair queues its messages in one order, and the first chunk not run has its input."""
+        self._check(inputs, targets)
+        total, sends, x = torch.zeros((), dtype=torch.float64, device=self.device), [], None
+        for j, c in itertools.product(range(self.m), sorted(self.chunks)):  # this rank's part
+            if c == 0:
+                x = inputs[j]
+            elif (c - 1) % self.p != self.rank:  # else x is chunk c-1's output, made here
+                x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                comm.wait(comm.irecv(x, self.ranks[(c - 1) % self.p], self.group))
+            x = self.chunks[c](x)
+            if c == self.n_chunks - 1:
+                total += self.loss_fn(x, targets[j]).double() / self.m
+            elif (c + 1) % self.p != self.rank:
+                x = x.contiguous()  # kept with its send until that is waited
+                sends.append((comm.isend(x, self.ranks[(c + 1) % self.p], self.group, "p2p",
+                                         self.stats, calls=1), x))
+        comm.wait(*(work for work, _ in sends))
+        if self.p > 1:
+            dist.all_reduce(total, group=self.group)
+        return total.item()
+
+    def _check(self, inputs, targets) -> None:
+        if (0 in self.chunks and inputs is None) or (self.n_chunks - 1 in self.chunks
+                                                     and targets is None):
+            raise ValueError(f"rank {self.rank} needs inputs (chunk 0) and/or targets (last chunk)")
