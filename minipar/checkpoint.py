@@ -2,7 +2,10 @@
 
 A checkpoint holds what the single-process run would hold: the full fp32 weights under the GPT's
 names, AdamW's two moments and step count for each of them, the number of steps done (the data
-position: batches are a function of the step) and the model's configuration. Saving gathers the
+position: batches are a function of the step) and the model's configuration; the training loop
+adds the run's settings (`run`: batch, seed, data, learning rate...; a resume must keep the data's),
+the data and its tokenizer (`data`: a data.Dataset as a dict, so `sample` decodes as training
+encoded) and fp16's loss scaler (`scaler`). Saving gathers the
 pieces (tensor-parallel blocks along their cut, pipeline stages' layers) to rank 0, which writes;
 resuming loads the full weights before the layout cuts the model, then cuts the moments the same
 way. So a run saved at dp2 tp2 pp2 resumes at tp4 or on one process and continues the same training.
@@ -94,8 +97,9 @@ def _remove_stale_tmps(path: str) -> None:
             pass
 
 
-def load(path: str, cfg) -> dict:
-    """Read a checkpoint for model `cfg`; ValueError if it is not one, or of another model."""
+def load(path: str, cfg=None) -> dict:
+    """Read a checkpoint (for model `cfg`, if given); ValueError if it is not one, or of another
+    model."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -104,7 +108,7 @@ def load(path: str, cfg) -> dict:
         raise ValueError(f"{path!r} is not a readable minipar checkpoint: {e}") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(f"{path!r} is not a minipar checkpoint (format {FORMAT})")
-    if checkpoint["config"] != dataclasses.asdict(cfg):
+    if cfg is not None and checkpoint["config"] != dataclasses.asdict(cfg):
         differ = {k: (v, checkpoint["config"].get(k)) for k, v in dataclasses.asdict(cfg).items()
                   if checkpoint["config"].get(k) != v}
         raise ValueError(f"{path!r} holds another model: (this run, checkpoint) differ in {differ}")

@@ -160,9 +160,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: str, length: int, temperature: float = 0.8, seed: int = 0) -> str:
-    """Continue `prompt` by `length` characters, sampling from the model (character tokenizer)."""
-    tok, gen = CharTokenizer(), torch.Generator().manual_seed(seed)
+def sample(model: GPT, prompt: str, length: int, temperature: float = 0.8, seed: int = 0,
+           tokenizer=None) -> str:
+    """Continue `prompt` by `length` tokens, sampling from the model; `tokenizer` (with encode and
+    decode: a data.Dataset, say) the one the model was trained with, by default CharTokenizer."""
+    tok, gen = tokenizer or CharTokenizer(), torch.Generator().manual_seed(seed)
     model.eval()
     idx = tok.encode(prompt)[None].to(next(model.parameters()).device)  # (1, T)
     for _ in range(length):

@@ -6,30 +6,35 @@ the single-device reference every technique is compared with) or on `par.world` 
 
 `train_layouts` runs train_rank for many layouts, one after the other, in one job (one launch).
 
-A step: take the global batch of this step (the same for every layout), run forward and backward on
-each of this rank's micro-batches (the loss of each scaled by 1/microbatches, so the gradients are
-those of the mean), step the optimizer. The loss reported is the global mean. With uneven DP shares
-(ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss is also weighted by its share, so
-the averaged gradients are still those of the global mean.
-Metrics: loss, step time, tokens/s, MFU (model FLOPs, docs/references.md, over the device's peak),
-and memory by category.
+A step: set the step's learning rate (`lr_at`: warmup, cosine decay), take the global batch of
+this step (the same for every layout), run forward and backward on each of this rank's micro-batches
+(the loss of each scaled by 1/microbatches, so the gradients are those of the mean), average the
+gradients, clip them by their global norm if asked, step the optimizer. The loss reported is the
+global mean. With uneven DP shares (ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss
+is also weighted by its share, so the averaged gradients are still those of the global mean.
+Every `eval_every` steps: the loss on held-out batches (data.py's "val" split). A loss that is not
+finite stops the run (NonFiniteLoss), with no checkpoint of the broken weights.
+Metrics: loss, validation loss, step time, tokens/s, MFU (model FLOPs, docs/references.md, over the
+device's peak: hardware.peak says which), gradient norm and memory by category; per step, to a
+JSON-lines file and TensorBoard if asked (metrics.py).
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
+import math
+import os
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from minipar import checkpoint, comm, memory
+from minipar import checkpoint, comm, hardware, memory, preflight, share
 from minipar import data as dataset
 from minipar.config import ParallelConfig
-from minipar.hardware import peak_flops
-from minipar.launch import launch, pick_backend, torchrun_rank
+from minipar.launch import heartbeat, launch, pick_backend, torchrun_rank
+from minipar.metrics import MetricsLog, ProgressBar, StepClock, check_tensorboard, max_memory_mib
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
 from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F401 (make_optimizer)
@@ -56,12 +61,17 @@ class TrainResult:
     # or with dp > 1 "forward", "backward", a bucket or "wait" (every step)
     spans: list[list] = field(default_factory=list, repr=False)
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights, if asked
+    val_losses: list[tuple] = field(default_factory=list)  # (step, global mean held-out loss)
+    grad_norms: list[float] = field(default_factory=list)  # each step's, before clipping (if clip)
+    peak: hardware.Peak | None = None   # MFU's denominator (per device) and where it comes from
 
     def summary(self) -> str:
         fullest = max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory)
-        return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} in {len(self.losses)} steps | "
-                f"{self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak memory "
-                f"{fullest / 2**20:.1f} MiB on the fullest rank")
+        val = f" (validation {self.val_losses[-1][1]:.3f})" if self.val_losses else ""
+        against = f"\nMFU is against {self.peak.source}" if self.peak else ""
+        return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{val} in {len(self.losses)} "
+                f"steps | {self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak "
+                f"memory {fullest / 2**20:.1f} MiB on the fullest rank{against}")
 
 
 @dataclass
@@ -77,45 +87,70 @@ class RankResult:
                                         #   (what, start, end) in perf_counter seconds
     device: str = "cpu"
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights (rank 0)
+    val_losses: list[tuple] = field(default_factory=list)  # (step, global mean held-out loss)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, when clip > 0
+    stopped: int = 0                    # the step whose loss was not finite (0: none)
+    par: ParallelConfig | None = field(default=None, repr=False)
 
 
 def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
-          global_batch: int = 8,
-          lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
-          backend: str = "auto", return_state: bool = False, progress: bool = False,
-          timeout: float = 600.0, save: str | None = None, save_every: int = 0,
-          resume: str | None = None, on_step=None) -> TrainResult:
-    """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first.
+          global_batch: int = 8, lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
+          data="synthetic", tokenizer: str = "char", backend: str = "auto",
+          return_state: bool = False, progress: bool = False, timeout: float = 600.0,
+          save: str | None = None, save_every: int = 0, resume: str | None = None,
+          clip: float = 0.0, warmup: int = 0, decay: str = "none", eval_every: int = 0,
+          eval_batches: int = 2, metrics: str | None = None, tensorboard: str | None = None,
+          on_step=None) -> TrainResult:
+    """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first,
+    before any process starts (minipar/preflight.py says what is checked).
 
+    data: "synthetic", "shakespeare", a path to a text file or a folder of them, or a
+    data.Dataset; tokenizer: "char" or "bpe" (trained on the data, to cfg.vocab_size tokens).
     steps counts from the start of training: resuming a checkpoint of k steps runs steps - k more.
     save: a checkpoint path, written every `save_every` steps (0: at the end only) and at the end;
     resume: a checkpoint to continue from, in any layout (see checkpoint.py).
-    on_step(loss, tokens_per_s), if given, is called in this process after each step (as the
-    progress bar is drawn), e.g. by a dashboard's own progress bar."""
+    clip: the largest global gradient norm (0: no clipping); warmup: steps of linear warmup of
+    the learning rate; decay "cosine": down to lr / 10 at the last step (`lr_at`).
+    eval_every: the validation loss on `eval_batches` held-out batches every that many steps and
+    at the end (0: never). metrics: a JSON-lines file, tensorboard: a folder (metrics.py).
+    timeout: seconds without any progress after which the job is stopped as hung (not a limit on
+    its length). on_step(loss, tokens_per_s), if given, is called in this process after each step
+    (as the progress bar is drawn), e.g. by a dashboard's own progress bar."""
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if data not in dataset.SOURCES:
-        raise ValueError(f"data must be one of {dataset.SOURCES}, got {data!r}")
-    pick_backend(backend, par.world)  # a world larger than the devices fails
-                                      #   here, before any process
-    # a wrong file fails here too
-    done = checkpoint.load(resume, cfg)["steps_done"] if resume else 0
+    preflight.check_settings(steps=steps, lr=lr, weight_decay=weight_decay, clip=clip,
+                             warmup=warmup, decay=decay, eval_every=eval_every,
+                             eval_batches=eval_batches, save_every=save_every, timeout=timeout)
+    backend = pick_backend(backend, par.world)  # a world larger than the devices fails here
+    device = "cuda" if backend == "nccl" or (backend == "auto" and par.world == 1
+                                             and torch.cuda.is_available()) else "cpu"
+    for path, what in ((save, "save"), (metrics, "metrics")):
+        preflight.check_writable(path, what)
+    check_tensorboard(tensorboard)
+    saved = checkpoint.load(resume, cfg) if resume else None  # a wrong file fails here too
+    done = saved["steps_done"] if saved else 0
     if done >= steps:
         raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} "
                          "steps")
-    if not isinstance(save_every, int) or save_every < 0:
-        raise ValueError(f"save_every must be a non-negative integer, got {save_every!r}")
+    data = _dataset(data, tokenizer, cfg, saved)
+    dataset.check(data, cfg.vocab_size, cfg.seq_len)
+    settings = dict(global_batch=global_batch, seed=seed, data=data.source,
+                    tokenizer=data.tokenizer, lr=lr, weight_decay=weight_decay, warmup=warmup,
+                    decay=decay, clip=clip)
+    preflight.check_resume(saved and saved.get("run"), settings)
+    preflight.check_memory(cfg, par, global_batch, device)
+    peak = hardware.peak(device, DTYPES[par.precision])
     job = dict(cfg=cfg, par=par, steps=steps, global_batch=global_batch, lr=lr,
                weight_decay=weight_decay, seed=seed, data=data, return_state=return_state,
-               save=save, save_every=save_every, resume=resume)
+               save=save, save_every=save_every, resume=resume, clip=clip, warmup=warmup,
+               decay=decay, eval_every=eval_every, eval_batches=eval_batches, metrics=metrics,
+               tensorboard=tensorboard, settings=settings,
+               peak_flops=peak.flops * (par.world if device == "cuda" else 1))
     bar = ProgressBar(steps - done, show=progress, on_step=on_step)
     report = progress or on_step is not None
     torchrun = torchrun_rank() is not None
     try:
         if par.world == 1 and not dist.is_initialized() and not torchrun:
-            device = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
             ranks = [train_rank(**job, report=bar.update if report else None, device=device)]
         elif torchrun:  # this process is one rank
             ranks = launch(train_rank, par.world, report=bar.update if report else None,
@@ -125,40 +160,83 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
                            backend=backend, timeout=timeout, on_line=bar.on_line, **job)
     finally:
         bar.close()
-    return _merge(ranks, cfg, par, global_batch)
+    result = _merge(ranks, cfg, global_batch, peak, job["peak_flops"])
+    if ranks[0].stopped:
+        raise NonFiniteLoss(ranks[0].stopped, result)
+    return result
 
 
-def _merge(ranks: list[RankResult], cfg, par, global_batch: int) -> TrainResult:
-    """Every rank's RankResult as one TrainResult: rank 0's losses
-    and times, every rank's memory."""
-    steady = ranks[0].step_times[1:] or ranks[0].step_times
+def _dataset(data, tokenizer: str, cfg, saved: dict | None) -> dataset.Dataset:
+    """The run's Dataset: given, or prepared from its name (a resumed run keeps the checkpoint's
+    tokenizer, so its token ids mean what they meant)."""
+    if isinstance(data, dataset.Dataset):
+        return data
+    if saved and saved.get("data"):
+        kept = dataset.Dataset(**saved["data"])
+        if kept.tokenizer == tokenizer and kept.source == dataset.prepare(data).source:
+            return kept
+    return dataset.prepare(data, tokenizer, cfg.vocab_size)
+
+
+def lr_at(step: int, lr: float, steps: int, warmup: int = 0, decay: str = "none") -> float:
+    """The learning rate of step `step` (0-based): linear warmup over the first `warmup` steps
+    (lr * (step + 1) / warmup), then constant, or with decay "cosine" half a cosine from lr down to
+    lr / 10 at the last step (nanoGPT's and Chinchilla's shape)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if decay == "none" or steps - 1 <= warmup:
+        return lr
+    progress = (step - warmup) / (steps - 1 - warmup)
+    return lr / 10 + (lr - lr / 10) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became inf or nan: training stopped there (the checkpoint, if any, is the last
+    finite one). `.result` holds the steps run."""
+
+    def __init__(self, step: int, result: "TrainResult"):
+        super().__init__(f"the loss is {result.losses[-1]} at step {step}: training stopped there "
+                         "(lower the learning rate, add warmup or clip the gradients)")
+        self.step, self.result = step, result
+
+
+def _merge(ranks: list[RankResult], cfg, global_batch: int, peak, peak_flops: float
+           ) -> TrainResult:
+    """Every rank's RankResult as one TrainResult: rank 0's losses and times, every rank's memory.
+    MFU's denominator, peak_flops: the peak of the devices the job ran on (local CPU ranks share
+    one CPU, so its peak counts once; GPU ranks each bring their own)."""
+    first = ranks[0]
+    steady = first.step_times[1:] or first.step_times
     step = statistics.median(steady)
-    # MFU's denominator: the peak of the devices the job ran on. Local CPU ranks share one CPU, so
-    # its measured peak counts once; GPU ranks each bring their own.
-    device, dtype = ranks[0].device, DTYPES[par.precision]
-    peak = peak_flops(device.split(":")[0], dtype) * (par.world if device.startswith("cuda") else 1)
+    tokens = global_batch * cfg.seq_len
     return TrainResult(
-        losses=ranks[0].losses, step_times=ranks[0].step_times,
-        tokens_per_s=global_batch * cfg.seq_len / step,
-        mfu=cfg.flops_per_token * global_batch * cfg.seq_len / step / peak,
+        losses=first.losses, step_times=first.step_times, tokens_per_s=tokens / step,
+        mfu=cfg.flops_per_token * tokens / step / peak_flops, peak=peak,
         peak_memory=[r.memory for r in ranks], comm_bytes=[r.comm for r in ranks],
         comm_calls=[r.calls for r in ranks], spans=[r.spans for r in ranks],
-        state_dict=ranks[0].state_dict, predicted_memory=_predicted(cfg, par, global_batch))
+        val_losses=first.val_losses, grad_norms=first.grad_norms, state_dict=first.state_dict,
+        predicted_memory=_predicted(cfg, first.par, global_batch))
 
 
+# long: the loop reads top to bottom, one step's stages in order, each a line or two
 def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch: int,
-               lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data: str = "synthetic",
+               lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data="synthetic",
                return_state: bool = False, save: str | None = None, save_every: int = 0,
-               resume: str | None = None, report=None, device: str | None = None,
-               after_compute=None) -> RankResult:
+               resume: str | None = None, clip: float = 0.0, warmup: int = 0,
+               decay: str = "none", eval_every: int = 0, eval_batches: int = 2,
+               metrics: str | None = None, tensorboard: str | None = None,
+               settings: dict | None = None, peak_flops: float | None = None, report=None,
+               device: str | None = None, after_compute=None) -> RankResult:
     """One rank's training run (the arguments are train's); returns its losses, timings, memory,
-    bytes sent and (rank 0, with return_state) the single-device weights.
+    bytes sent and (rank 0, with return_state) the single-device weights. Stops after a step whose
+    loss is not finite (every rank sees the same global loss, so all stop together).
 
     report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
     after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
     pipeline action) with the seconds it took: a hook for demonstrations
     (demos_hetero's throttle)."""
     device = device or _device()
+    data = data if isinstance(data, dataset.Dataset) else dataset.prepare(data)
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
     torch.manual_seed(seed)
     # the full model on every rank, then cut: every layout trains the same one
@@ -166,40 +244,69 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     resumed = checkpoint.load(resume, cfg) if resume else None
     run = parallelize(model, par, mesh, global_batch=global_batch, lr=lr, weight_decay=weight_decay,
                       stats=stats, after_compute=after_compute, resumed=resumed)
-    rows = _rows(par, mesh, global_batch)
-    meter, clock = memory.ActivationMeter(), _Clock(device)
-    losses, step_times, mem, spans = [], [], {}, None
+    rows = share.rows(par, mesh, global_batch)
+    meter, clock = memory.ActivationMeter(), StepClock(device)
     first = resumed["steps_done"] if resumed else 0
+    log = MetricsLog(metrics, tensorboard, active=mesh.rank == 0, append=first > 0)
+    out = RankResult([], [], {}, {}, {}, [], device, par=par)
+    tokens = global_batch * cfg.seq_len
     for step in range(first, steps):
+        heartbeat()  # the launcher's watchdog: this rank is making progress
         clock.start()
+        rate = lr_at(step, lr, steps, warmup, decay)
+        if warmup or decay != "none":
+            run.set_lr(rate)
         # the batch: this step's global batch, the same for every layout
         x, y = dataset.global_batch(data, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
         # forward and backward of this rank's micro-batches (with pp > 1 in the schedule's order)
-        loss, spans = _forward_backward(run, par, mesh, x, y, rows, device, meter, after_compute)
-        # gradient sync and optimizer step, before any other collective (ZeRO-3 may be reducing)
-        run.sync_and_step()
+        loss, spans = share.forward_backward(run, par, mesh, x, y, rows, device, meter,
+                                             after_compute)
+        # gradient sync, clipping and the optimizer step, before any other collective (ZeRO-3 may
+        # be reducing)
+        norm = run.sync_and_step(clip)
         # metrics: the global mean loss; memory at the first step (grads held, optimizer state new)
         if par.dp > 1:
-            loss = _sum_over(loss * rows[2], mesh.dp_group) / par.dp
+            loss = share.sum_over(loss * rows[2], mesh.dp_group) / par.dp
         if step == first:
-            mem = _measure(run)
+            out.memory = _measure(run)
         run.optimizer.zero_grad()
-        step_times.append(clock.stop())
-        losses.append(loss)
+        out.step_times.append(clock.stop())
+        out.losses.append(loss)
+        out.spans = spans or out.spans
+        if norm is not None:
+            out.grad_norms.append(norm)
+        if not math.isfinite(loss):
+            out.stopped = step + 1
+            break
+        val = None
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            val = share.evaluate(run, par, mesh, data, cfg, global_batch, seed, rows, device,
+                                 eval_batches)
+            out.val_losses.append((step + 1, val))
         if report and mesh.rank == 0:
-            report(loss, global_batch * cfg.seq_len / step_times[-1])
+            report(loss, tokens / out.step_times[-1])
+        seconds = out.step_times[-1]
+        log.write(step + 1, dict(loss=loss, val_loss=val, lr=rate, grad_norm=norm,
+                                 tokens_per_s=tokens / seconds, step_time=seconds,
+                                 mfu=_mfu(cfg, tokens, seconds, peak_flops),
+                                 max_memory_mib=max_memory_mib(device)))
         # the checkpoint, every save_every steps (0: at the end) and at the end
         if save and ((step + 1) % (save_every or steps) == 0 or step + 1 == steps):
-            _checkpoint(run, mesh, cfg, step + 1, save)
-    sent, calls = dict(stats.bytes_sent), dict(stats.calls)  # the training's, not the gather below
-    mem["activations"] = meter.peak
+            _checkpoint(run, mesh, cfg, step + 1, save, data, settings)
+    log.close()
+    out.comm, out.calls = dict(stats.bytes_sent), dict(stats.calls)  # not the gather below
+    out.memory["activations"] = meter.peak
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
-        mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
-    state = _final_weights(run, mesh) if return_state else None
+        out.memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
+    state = _final_weights(run, mesh) if return_state and not out.stopped else None
     run.close()
-    spans = spans or (run.dp.spans if run.dp else [])
-    return RankResult(losses, step_times, mem, sent, calls, spans, device,
-                      state if mesh.rank == 0 else None)
+    out.spans = out.spans or (run.dp.spans if run.dp else [])
+    out.state_dict = state if mesh.rank == 0 else None
+    return out
+
+
+def _mfu(cfg, tokens: int, seconds: float, peak_flops: float | None) -> float | None:
+    return cfg.flops_per_token * tokens / seconds / peak_flops if peak_flops else None
 
 
 def train_layouts(layouts: list, *, around=None, **common) -> list[RankResult]:
@@ -220,11 +327,16 @@ def train_layouts(layouts: list, *, around=None, **common) -> list[RankResult]:
     return out
 
 
-def _checkpoint(run: Parallel, mesh, cfg, steps_done: int, path: str) -> None:
-    """Gather the checkpoint after `steps_done` steps (a collective) and write it (rank 0)."""
+def _checkpoint(run: Parallel, mesh, cfg, steps_done: int, path: str, data, settings) -> None:
+    """Gather the checkpoint after `steps_done` steps (a collective) and write it (rank 0), with
+    what a resume needs beyond the weights: the run's settings (preflight.check_resume), the
+    tokenizer and fp16's loss scale."""
     state = checkpoint.gather(run.model, run.optimizer, run.mp, run.tp, mesh.pp_group, steps_done,
                               cfg)
     if state:  # rank 0
+        state.update(run=settings, data=dataclasses.asdict(data),
+                     scaler=run.scaler_state())
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         checkpoint.save(state, path)
 
 
@@ -232,30 +344,6 @@ def _device() -> str:
     """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     return f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
-
-
-def _rows(par, mesh, global_batch: int) -> tuple[int, int, float]:
-    """(start, count, weight): this DP rank's rows [start, start + count) of the global batch
-    (uneven with par.dp_shares). Its loss is the mean over its rows; DP averages gradients over the
-    dp ranks, so weighting the loss by count / global_batch * dp makes that average the mean over
-    the global batch (1.0 when even)."""
-    shares = par.dp_rows(global_batch)
-    start, count = sum(shares[:mesh.dp_rank]), shares[mesh.dp_rank]
-    return start, count, count * par.dp / global_batch
-
-
-def _forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_compute):
-    """Forward and backward of this rank's micro-batches of (x, y); returns (the loss summed over
-    them, the pipeline's (action, start, end) events of the step, or None). rows: `_rows`."""
-    start, count, weight = rows
-    if not run.pipe:
-        return _accumulate(run, x, y, par, rows, device, meter, after_compute), None
-    batches = [[dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
-                for mb in range(par.microbatches)] for t in (x, y)]
-    with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
-        scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * weight
-        loss_sum, events = run.pipe.step(*batches, loss_scale=scale)
-    return _sum_over(loss_sum, mesh.pp_group), events  # the last stage has it, the others 0
 
 
 def _final_weights(run: Parallel, mesh) -> dict:
@@ -288,91 +376,3 @@ def _measure(run: Parallel) -> dict[str, int]:
                               comm=optimizer.comm_bytes)
     buckets = run.dp.comm_buffer_bytes if run.dp else 0
     return {**run.mp.measure(optimizer), "activations": 0, "comm": buckets}
-
-
-def _accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None) -> float:
-    """Forward and backward of this rank's micro-batches one after
-    the other; returns the summed loss.
-    rows: `_rows`; the backward runs on loss * weight (see `_rows`)."""
-    start, count, weight = rows
-    mp, dp, loss_sum = run.mp, run.dp, 0.0
-    for mb in range(par.microbatches):
-        xb = dataset.shard_rows(x, start, count, mb, par.microbatches).to(device)
-        yb = dataset.shard_rows(y, start, count, mb, par.microbatches).to(device)
-        last = mb == par.microbatches - 1
-        t0 = time.perf_counter()
-        with meter, mp.autocast():
-            loss = run.loss_fn(run.model(xb), yb) / par.microbatches
-        t1 = time.perf_counter()
-        with dp.no_sync() if dp and not last else contextlib.nullcontext():
-            mp.scale(loss * weight if weight != 1.0 else loss).backward()
-        meter.release()
-        if after_compute:
-            after_compute(time.perf_counter() - t0)
-        if dp:  # the compute half of the spans; dp records the communication
-            dp.spans += [("forward", t0, t1), ("backward", t1, time.perf_counter())]
-        loss_sum += loss.item()
-    return loss_sum
-
-
-class _Clock:
-    """A step's time: CUDA events on a GPU (the device's own clock: what the kernels took, without
-    stalling the host inside the step), time.perf_counter on a CPU."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-        self.begin = None  # the step's start: a CUDA event, or perf_counter seconds
-
-    def start(self) -> None:
-        if self.cuda:
-            self.begin = torch.cuda.Event(enable_timing=True)
-            self.begin.record()
-        else:
-            self.begin = time.perf_counter()
-
-    def stop(self) -> float:
-        if not self.cuda:
-            return time.perf_counter() - self.begin
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        return self.begin.elapsed_time(end) / 1e3  # milliseconds -> seconds
-
-
-def _sum_over(value: float, group) -> float:
-    """The sum of a float over the group (metrics only: not counted as training traffic)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.item()
-
-
-class ProgressBar:
-    """The caller's progress bar (tqdm, notebook-aware). Local ranks cannot reach it, so rank 0
-    prints a tagged line per step (`print_line`) and the launcher hands those lines to `on_line`."""
-    TAG = "minipar-progress:"
-
-    def __init__(self, steps: int, show: bool, on_step=None):
-        from tqdm.auto import tqdm  # not a minipar module: only where a bar is drawn
-        self.bar = tqdm(total=steps, desc="train", mininterval=0.5) if show else None
-        self.on_step = on_step
-
-    def update(self, loss: float, tokens_per_s: float) -> None:
-        if self.on_step is not None:
-            self.on_step(loss, tokens_per_s)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-
-    @staticmethod
-    def print_line(loss: float, tokens_per_s: float) -> None:
-        print(f"{ProgressBar.TAG} {loss} {tokens_per_s}", flush=True)
-
-    def on_line(self, rank: int, line: str) -> bool:
-        if not line.startswith(self.TAG):
-            return False
-        self.update(*map(float, line.split()[1:]))
-        return True
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -18,12 +18,15 @@ from matplotlib.figure import Figure
 from minipar.memory import CATEGORIES
 
 
-def loss_curve(runs: dict[str, list[float]], title: str = "training loss") -> Figure:
-    """Loss against step, one line per run ({label: losses}); equal
-    runs draw on top of each other."""
+def loss_curve(runs: dict[str, list[float]], title: str = "training loss",
+               val: list[tuple] | None = None) -> Figure:
+    """Loss against step, one line per run ({label: losses}); equal runs draw on top of each other.
+    val: [(step, held-out loss)] (TrainResult.val_losses), drawn as points on the same axes."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for (label, losses), style in zip(runs.items(), ["-", "--", ":", "-."] * len(runs)):
         ax.plot(range(1, len(losses) + 1), losses, style, label=label)
+    if val:
+        ax.plot(*zip(*val), "o", label="validation")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
