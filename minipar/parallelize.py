@@ -15,7 +15,8 @@
                          the parameters' final identity and dtype (why this order: at each call).
   5. pipeline executor   after precision: the messages between stages have the model's dtype.
 A checkpoint's weights are loaded into the full model before 1 (the cut is the same as from the
-seed's initialisation); its optimizer moments after 4, cut the same way (checkpoint.restore).
+seed's initialisation); its optimizer moments after 4, cut the same way (checkpoint.restore), and
+fp16's loss scale with them.
 """
 from __future__ import annotations
 
@@ -96,6 +97,11 @@ class Parallel:
         if not inputs or len(inputs) != len(targets):
             raise ValueError(f"evaluate needs as many targets as inputs, at least one: got "
                              f"{len(inputs)} inputs and {len(targets)} targets")
+        if self.pipe and (len(inputs) != self.pipe.m or {x.shape[0] for x in inputs}
+                          != {self.pipe.shape[0]}):
+            raise ValueError(f"with pp > 1 evaluate takes the pipeline's {self.pipe.m} micro-"
+                             f"batches of {self.pipe.shape[0]} rows (the training step's), got "
+                             f"{[x.shape[0] for x in inputs]}")
         training = self.model.training
         self.model.eval()  # no dropout
         try:
