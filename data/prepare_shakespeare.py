@@ -1,5 +1,7 @@
 """Build data/shakespeare.txt, the small plain-text corpus bundled with minipar.
 
+It is written beside this script: data/ in the repository, minipar/bundled/data/ in an install.
+
 Why: training examples need a real, public-domain text that is small enough
 to ship in the repository (< 2 MB) and has a small character set (good for
 character-level models), and it should be rebuildable from a pinned source.
