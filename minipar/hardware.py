@@ -1,4 +1,4 @@
-"""What the device can do: its peak FLOP/s, the denominator of MFU, and where that number comes from.
+"""What the device can do: its peak FLOP/s (the denominator of MFU), and where that number is from.
 
 GPUs: the vendor's dense peak for the dtype (docs/references.md, "Accelerators and links"). CPUs
 publish no useful peak, so we measure one with square matmuls (the best case for a CPU, as for a
