@@ -87,7 +87,7 @@ def _remove_stale_tmps(path: str) -> None:
     for tmp in glob.glob(f"{glob.escape(path)}.tmp-*"):
         pid = tmp.rsplit("-", 1)[1]
         if not pid.isdigit() or int(pid) == os.getpid():
-            continue  # not one of ours; our own is rewritten by this save
+            continue  # not a save's (no pid), or this process's own: this save rewrites it
         try:
             os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
         except ProcessLookupError:

@@ -1,4 +1,4 @@
-"""What the device can do: its peak FLOP/s, the denominator of MFU, and where that number comes from.
+"""What the device can do: its peak FLOP/s (the denominator of MFU), and where that number is from.
 
 GPUs: the vendor's dense peak for the dtype (docs/references.md, "Accelerators and links"). CPUs
 publish no useful peak, so we measure one with square matmuls (the best case for a CPU, as for a
@@ -26,6 +26,7 @@ GPU_PEAKS = {  # dense tensor-core peaks, FLOP/s, for bf16/fp16 (fp32 runs as TF
     "H100": 989e12,
     "H200": 989e12,
 }
+BUSY = 0.5  # load average per core above which a measurement is said to be taken on a busy machine
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -117,6 +118,9 @@ def _measured(device: str, dtype: torch.dtype, recalibrate: bool) -> Peak:
         except OSError as e:
             where = f"not cached: {path.parent}: {e.strerror}"
     what = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
+    cores = os.cpu_count() or 1
+    if entry["load"] > BUSY * cores:  # other processes had the cores: the best trial may be low
+        where = f"{cores} cores were busy, it may read low; {where}"
     return Peak(entry["flops"], f"{what} {_short(dtype)} matmul, measured {entry['date']} at load "
                                 f"{entry['load']:.1f} ({where})")
 

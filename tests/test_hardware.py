@@ -1,6 +1,7 @@
 """The MFU denominator: GPUs' published peaks, the CPU's measured one (best of several trials, kept in
 a file so that every run divides by the same number, measured again on request)."""
 import json
+import os
 
 import pytest
 import torch
@@ -36,6 +37,8 @@ def test_a_measurement_is_cached_reused_and_redone_on_request(cache):
     assert reused == Peak(123.0, f"CPU fp32 matmul, measured 2020-01-02 at load 0.4 (cached in "
                                  f"{cache}; --recalibrate-peak to redo)")
     assert peak_flops("cpu") == 123.0
+    cache.write_text(json.dumps({key: dict(flops=12.0, date="2020-01-02", load=64.0 * os.cpu_count())}))
+    assert "cores were busy, it may read low" in peak("cpu").source  # measured under load: it says so
     again = calibrate_peak("cpu")
     assert again.flops != 123.0 and "2020-01-02" not in again.source
     assert json.loads(cache.read_text())[key]["flops"] == again.flops == peak_flops("cpu")
