@@ -7,16 +7,17 @@ from scratch on torch.distributed.
 """
 from minipar import comm, pipeline, tensor_parallel
 from minipar.config import ParallelConfig
-from minipar.launch import WorkerError, WorkerTimeout, launch
+from minipar.launch import WorkerError, WorkerTimeout, heartbeat, launch
 from minipar.lessons import demos
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
 from minipar.planner import Estimate, NoFeasiblePlan, estimate, explain, format_table, plan
 from minipar.planner.cluster import Cluster
-from minipar.train import TrainResult, train
+from minipar.train import NonFiniteLoss, TrainResult, train
 
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel",
            "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "ParallelConfig",
-           "TrainResult",
-           "WorkerError", "WorkerTimeout", "estimate", "explain", "format_table", "launch", "plan",
+           "NonFiniteLoss", "TrainResult",
+           "WorkerError", "WorkerTimeout", "estimate", "explain", "format_table", "heartbeat", "launch",
+           "plan",
            "train"]

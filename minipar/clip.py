@@ -1,5 +1,5 @@
 """Gradient clipping by the global norm, in any parallel layout (Pascanu et al. 2013, "On the
-difficulty of training recurrent neural networks"; GPT-2 and GPT-3 train with it at 1.0).
+difficulty of training recurrent neural networks"; GPT-3 trains with it at 1.0).
 
 Every gradient is multiplied by c = min(1, max_norm / (||g|| + 1e-6)), ||g|| the L2 norm of the
 whole model's gradient, exactly as `torch.nn.utils.clip_grad_norm_` does on one process. In a

@@ -150,3 +150,12 @@ def test_the_cli_names_itself_shows_every_default_and_its_version(capsys):
         assert capsys.readouterr().out.startswith("usage: minipar ")
     finally:
         sys.argv[0] = argv
+
+
+def test_lessons_are_copied_into_a_new_folder(tmp_path, capsys):
+    main(["lessons", str(tmp_path / "lessons")])
+    copied = sorted(p.name for p in (tmp_path / "lessons").iterdir())
+    assert "00_collectives.ipynb" in copied and "08_explorer.ipynb" in copied
+    assert f"jupyter lab {tmp_path / 'lessons'}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="exists and is not empty"):
+        main(["lessons", str(tmp_path / "lessons")])

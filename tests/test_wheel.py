@@ -82,5 +82,5 @@ def test_the_installed_wheel_trains_runs_a_lesson_and_samples(venv, tmp_path):
     assert f"executed {where[2]}/{LESSON}" in out
 
     out = _run([python, "-m", "minipar", "sample", "--checkpoint", "ck.pt", "--prompt", "ROMEO:",
-                "--chars", "50"], cwd=tmp_path, env=env)
+                "--tokens", "50"], cwd=tmp_path, env=env)
     assert "ROMEO:" in out
