@@ -16,8 +16,6 @@ from minipar.planner.cluster import Cluster
 from minipar.train import NonFiniteLoss, TrainResult, train
 
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel",
-           "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "ParallelConfig",
-           "NonFiniteLoss", "TrainResult",
-           "WorkerError", "WorkerTimeout", "estimate", "explain", "format_table", "heartbeat", "launch",
-           "plan",
-           "train"]
+           "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "NonFiniteLoss",
+           "ParallelConfig", "TrainResult", "WorkerError", "WorkerTimeout", "estimate", "explain",
+           "format_table", "heartbeat", "launch", "plan", "train"]

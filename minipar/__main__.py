@@ -15,6 +15,9 @@ import importlib.metadata
 import os
 import shutil
 import sys
+import warnings
+
+import torch
 
 from minipar import checkpoint, hardware, preflight
 from minipar import data as dataset
@@ -32,6 +35,14 @@ BPE_VOCAB = 512  # --tokenizer bpe without --vocab-size: small enough for the CP
 
 
 SIZES = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default after its help (none for a flag whose help says what its absence
+    means), and descriptions printed as written."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def model_arguments(p, default: str) -> None:
@@ -52,7 +63,7 @@ def model_of(args) -> tuple[GPTConfig, str]:
 
 def train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a GPT with a parallel layout",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=Help)
     model_arguments(p.add_argument_group("model"), "tiny")
     par = p.add_argument_group("layout (ParallelConfig)")
     par.add_argument("--dp", type=int, help="data-parallel replicas (default: 1, or under "
@@ -98,8 +109,13 @@ def train_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="cpu: gloo ranks; cuda: one GPU per rank, NCCL; auto: cuda if enough GPUs")
     t.add_argument("--timeout", type=float, default=600.0,
-                   help="stop the job when no rank makes progress for this many seconds")
-    o = p.add_argument_group("output")
+                   help="local ranks: stop the job when none makes progress for this long; "
+                        "under torchrun: the limit of one collective")
+    output_arguments(p.add_argument_group("output"))
+    return p
+
+
+def output_arguments(o) -> None:
     o.add_argument("--save", help="checkpoint path, written at the end (and every --save-every "
                                   "steps)")
     o.add_argument("--save-every", type=int, default=0,
@@ -116,7 +132,6 @@ def train_parser(sub) -> argparse.ArgumentParser:
                                     "newline for other text)")
     o.add_argument("--recalibrate-peak", action="store_true",
                    help="measure this CPU's matmul peak (MFU's denominator) again")
-    return p
 
 
 def layout_of(args) -> ParallelConfig:
@@ -145,8 +160,13 @@ def run_train(args) -> None:
     par = layout_of(args)
     if args.sample < 0:
         raise ValueError(f"--sample must be >= 0 tokens, got {args.sample}")
-    preflight.check_writable(args.plot, "--plot")
-    data = dataset.prepare(args.data, args.tokenizer, cfg.vocab_size)
+    if args.save_every and not args.save:
+        raise ValueError("--save-every needs --save (the checkpoint's path)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no GPU that torch can use")
+    if args.prompt == "":
+        raise ValueError("--prompt is empty: give some text to continue")
+    preflight.check_writable(args.plot, "plot")
     leader = torchrun_rank() in (None, 0)  # alone, or rank 0 of a torchrun job
     if args.recalibrate_peak and leader:
         hardware.peak("cpu", DTYPES[par.precision], recalibrate=True)
@@ -154,7 +174,8 @@ def run_train(args) -> None:
         print(f"model {name}: {cfg.num_params:,} parameters | layout: {par.label}")
     backend = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[args.device]
     res = train(cfg, par, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
-                weight_decay=args.weight_decay, seed=args.seed, data=data, backend=backend,
+                weight_decay=args.weight_decay, seed=args.seed, data=args.data,
+                tokenizer=args.tokenizer, backend=backend,
                 return_state=args.sample > 0, progress=leader, save=args.save,
                 save_every=args.save_every, resume=args.resume, clip=args.clip,
                 warmup=args.warmup, decay=args.decay, eval_every=args.eval_every,
@@ -173,6 +194,7 @@ def run_train(args) -> None:
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         loss_curve({par.label: res.losses}, val=res.val_losses).savefig(args.plot)
         print(f"loss curve saved to {args.plot}")
+    data = res.data
     if args.sample and data.source == "synthetic":
         print("(no text sample: the synthetic data is numbers, not text)")
     elif args.sample:
@@ -192,7 +214,7 @@ def prompt_for(data, prompt: str | None) -> str:
 
 def sample_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate text from a checkpoint",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=Help)
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train --save")
     p.add_argument("--prompt", help="the text to continue (default: as train --sample does)")
     p.add_argument("--tokens", type=int, default=300, help="tokens to generate")
@@ -204,6 +226,8 @@ def sample_parser(sub) -> argparse.ArgumentParser:
 def run_sample(args) -> None:
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.prompt == "":
+        raise ValueError("--prompt is empty: give some text to continue")
     if not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {args.temperature}")
     saved = checkpoint.load(args.checkpoint)
@@ -221,23 +245,25 @@ def run_sample(args) -> None:
 def lessons_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("lessons", help="copy the lesson notebooks into a folder, to open with "
                                        "Jupyter",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=Help)
     p.add_argument("folder", nargs="?", default="minipar-lessons", help="where to copy them")
     return p
 
 
 def run_lessons(args) -> None:
-    if os.path.exists(args.folder) and os.listdir(args.folder):
+    preflight.check_writable(args.folder, "lessons folder", folder=True)
+    if os.path.isdir(args.folder) and os.listdir(args.folder):
         raise ValueError(f"{args.folder!r} exists and is not empty: choose a new folder")
-    shutil.copytree(dataset.lessons_dir(), args.folder, ignore=shutil.ignore_patterns("__*"))
-    print(f"{len(os.listdir(args.folder))} lessons copied to {args.folder}: "
+    shutil.copytree(dataset.lessons_dir(), args.folder, ignore=shutil.ignore_patterns("__*"),
+                    dirs_exist_ok=True)
+    print(f"{len(os.listdir(args.folder))} notebooks copied to {args.folder}: "
           f"jupyter lab {args.folder}")
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank the layouts of a model on a cluster by predicted step "
                                     "time",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=Help)
     model_arguments(p, "gpt2-xl")
     p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
     p.add_argument("--nodes", type=int, default=1)
@@ -249,8 +275,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 
 def run_plan(args) -> None:
     (cfg, name), cluster = model_of(args), Cluster.preset(args.cluster, nodes=args.nodes)
-    if args.top < 1:
-        raise ValueError(f"--top must be >= 1 rows, got {args.top}")
+    for name in ("top", "global_batch"):  # before the header: nothing printed for a bad request
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {getattr(args, name)}")
     print(f"model {name}: {cfg.num_params / 1e9:.2f} B parameters | {cluster.world} GPUs "
           f"({args.cluster} x {args.nodes}) | global batch {args.global_batch}")
     try:
@@ -264,7 +291,8 @@ def run_plan(args) -> None:
 def main(argv=None) -> None:
     # the console script says `minipar`, `python -m minipar` says that
     prog = "python -m minipar" if sys.argv[0].endswith("__main__.py") else "minipar"
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=Help)
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line
     parser.add_argument("--version", action="version", version=f"minipar {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"train": run_train, "plan": run_plan, "sample": run_sample, "lessons": run_lessons}
@@ -279,8 +307,9 @@ def main(argv=None) -> None:
         fail(f"error: {err}")
     except KeyboardInterrupt:  # launch has stopped every rank on its way out
         saved = getattr(args, "save", None)
+        kept = saved and os.path.exists(saved)
         fail("interrupted: every rank stopped" + (f"; the last checkpoint written is {saved}"
-                                                  if saved else ""), code=130)
+                                                  if kept else ""), code=130)
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -29,6 +29,7 @@ come from the same generator on another stream (a seed offset), so they differ f
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -101,6 +102,12 @@ class Dataset:
         if self.source == "synthetic":
             return None
         return _bpe(self.vocab).get_vocab_size() if self.vocab else CharTokenizer.vocab_size
+
+    @property
+    def fingerprint(self) -> str | None:
+        """A short digest of the BPE vocabulary (None for char): equal exactly when the token ids
+        mean the same, what a resumed run must keep."""
+        return hashlib.sha256(self.vocab.encode()).hexdigest()[:12] if self.vocab else None
 
     def encode(self, text: str) -> torch.Tensor:
         if self.vocab:

@@ -1,13 +1,16 @@
 """What the device can do: its peak FLOP/s (the denominator of MFU), and where that number is from.
 
 GPUs: the vendor's dense peak for the dtype (docs/references.md, "Accelerators and links"). CPUs
-publish no useful peak, so we measure one with square matmuls (the best case for a CPU, as for a
-GPU) on all of this process's threads. One short matmul is not enough: on a loaded machine it read
-38 GFLOP/s for a peak of ~370, and MFU read 3.5x too high. So the measurement is the best of many
-trials spread over ~1.5 s (a quiet moment among them is enough), and it is kept in a file,
-$XDG_CACHE_HOME/minipar/peak.json (default ~/.cache), under the device, dtype, thread count and CPU
-model, with its date and the load average it was taken at: every later run divides by the same
-number, and `peak(...).source` says which. `calibrate_peak()` measures again.
+publish no useful peak, so we measure one with square fp32 matmuls (the best case for a CPU, as
+for a GPU) on all of this process's threads; fp32 whatever the precision trained in, since a CPU
+without matrix units runs 16-bit matmuls slower than fp32 ones. One short matmul is not enough: on
+a loaded machine it read 38 GFLOP/s for a peak of ~370, and MFU read 3.5x too high. So the
+measurement is the best of many trials spread over ~1.5 s (a quiet moment among them is enough),
+and it is kept in a file, $XDG_CACHE_HOME/minipar/peak.json (default ~/.cache), under the
+device, dtype, thread count and CPU model, with its date and the load average it was taken at:
+every later run divides by the same number, and `peak(...).source` says which. `calibrate_peak()`
+measures again, and so does the next run after one measured while the cores were busy, once the
+load has halved.
 """
 from __future__ import annotations
 
@@ -45,6 +48,10 @@ def peak(device: str = "cpu", dtype: torch.dtype = torch.float32,
         published = published_peak(torch.cuda.get_device_name(device), dtype)
         if published is not None:
             return published
+    else:  # a CPU without matrix units runs 16-bit matmuls slower than fp32 ones (here bf16 read
+        # 0.95 GFLOP/s at 1024^3, below the model's own small bf16 matmuls, and MFU over 100%):
+        # its peak is fp32's, whatever the precision trained in
+        dtype = torch.float32
     return _measured(device, dtype, recalibrate)
 
 
@@ -108,7 +115,10 @@ def _measured(device: str, dtype: torch.dtype, recalibrate: bool) -> Peak:
     path, key = cache_path(), cache_key(device, dtype)
     entry = _read(path).get(key)
     where = f"cached in {_shown(path)}; --recalibrate-peak to redo"
-    if recalibrate or not _valid(entry):
+    cores = os.cpu_count() or 1
+    # a measurement taken while the cores were busy reads low: redo it once the machine is quieter
+    busy_then = _valid(entry) and entry["load"] > BUSY * cores and _load() < entry["load"] / 2
+    if recalibrate or not _valid(entry) or busy_then:
         load = _load()  # before measuring: the measurement adds its own
         n = 4096 if device.startswith("cuda") else 1024  # a GPU needs a bigger matmul to fill it
         entry = dict(flops=measured_matmul_flops(device, dtype, n),
@@ -118,7 +128,6 @@ def _measured(device: str, dtype: torch.dtype, recalibrate: bool) -> Peak:
         except OSError as e:
             where = f"not cached: {path.parent}: {e.strerror}"
     what = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
-    cores = os.cpu_count() or 1
     if entry["load"] > BUSY * cores:  # other processes had the cores: the best trial may be low
         where = f"{cores} cores were busy, it may read low; {where}"
     return Peak(entry["flops"], f"{what} {_short(dtype)} matmul, measured {entry['date']} at load "

@@ -127,7 +127,7 @@ class Parallel:
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, LayerNorms), as GPT-2 and nanoGPT do."""
+    """AdamW; weight decay on matrices only (not on biases, LayerNorms), as nanoGPT does."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]

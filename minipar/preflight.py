@@ -19,7 +19,7 @@ from minipar import memory
 # the run's settings a checkpoint records: those that choose the data stream must match on resume
 # (a different batch, seed or corpus would not continue the same training); the optimizer's may
 # change, with a warning
-DATA_SETTINGS = ("global_batch", "seed", "data", "tokenizer")
+DATA_SETTINGS = ("global_batch", "seed", "data", "tokenizer", "vocab")
 OPTIMIZER_SETTINGS = ("lr", "weight_decay", "warmup", "decay", "clip")
 PROCESS_BYTES = 380 * 2**20  # a CPU rank's own footprint after init_process_group, measured
 
@@ -33,7 +33,8 @@ def check_settings(*, steps, lr, weight_decay, clip, warmup, decay, eval_every, 
 
     def count(name, value, least):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+            rule = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
 
     count("steps", steps, 1)
     number("lr", lr, lambda v: math.isfinite(v) and v > 0, "a positive number")
@@ -50,15 +51,17 @@ def check_settings(*, steps, lr, weight_decay, clip, warmup, decay, eval_every, 
         raise ValueError(f"warmup ({warmup} steps) must be shorter than the run ({steps} steps)")
 
 
-def check_writable(path: str | None, what: str) -> None:
-    """`path` can be written later: not a directory, and its folder exists and takes a file, or can
-    be made (the nearest existing parent is a folder that takes one). Tried with a temporary file,
-    removed at once: permissions alone do not tell (root may write where the filesystem refuses)."""
+def check_writable(path: str | None, what: str, folder: bool = False) -> None:
+    """`path` (a file, or with `folder` a folder) can be written later: not the other kind, and it
+    or its nearest existing parent is a folder that takes a file. Tried with a temporary file,
+    removed at once: permissions alone do not tell (root may write where the filesystem refuses).
+    Nothing is left behind."""
     if not path:
         return
-    if os.path.isdir(path):
-        raise ValueError(f"{what} {path!r} is a directory: give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        kind = "a file: give a folder" if folder else "a directory: give a file path"
+        raise ValueError(f"{what} {path!r} is {kind}")
+    parent = os.path.abspath(path) if folder else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     try:

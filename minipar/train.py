@@ -64,6 +64,7 @@ class TrainResult:
     val_losses: list[tuple] = field(default_factory=list)  # (step, global mean held-out loss)
     grad_norms: list[float] = field(default_factory=list)  # each step's, before clipping (if clip)
     peak: hardware.Peak | None = None   # MFU's denominator (per device) and where it comes from
+    data: dataset.Dataset | None = field(default=None, repr=False)  # what it trained on: decode
 
     def summary(self) -> str:
         fullest = max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory)
@@ -116,6 +117,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     timeout: seconds without any progress after which the job is stopped as hung (not a limit on
     its length). on_step(loss, tokens_per_s), if given, is called in this process after each step
     (as the progress bar is drawn), e.g. by a dashboard's own progress bar."""
+    # long: every check before any process starts, one line each, then the launch
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
     preflight.check_settings(steps=steps, lr=lr, weight_decay=weight_decay, clip=clip,
@@ -126,6 +128,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
                                              and torch.cuda.is_available()) else "cpu"
     for path, what in ((save, "save"), (metrics, "metrics")):
         preflight.check_writable(path, what)
+    preflight.check_writable(tensorboard, "tensorboard", folder=True)
     check_tensorboard(tensorboard)
     saved = checkpoint.load(resume, cfg) if resume else None  # a wrong file fails here too
     done = saved["steps_done"] if saved else 0
@@ -135,8 +138,8 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     data = _dataset(data, tokenizer, cfg, saved)
     dataset.check(data, cfg.vocab_size, cfg.seq_len)
     settings = dict(global_batch=global_batch, seed=seed, data=data.source,
-                    tokenizer=data.tokenizer, lr=lr, weight_decay=weight_decay, warmup=warmup,
-                    decay=decay, clip=clip)
+                    tokenizer=data.tokenizer, vocab=data.fingerprint, lr=lr,
+                    weight_decay=weight_decay, warmup=warmup, decay=decay, clip=clip)
     preflight.check_resume(saved and saved.get("run"), settings)
     preflight.check_memory(cfg, par, global_batch, device)
     peak = hardware.peak(device, DTYPES[par.precision])
@@ -147,23 +150,28 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
                tensorboard=tensorboard, settings=settings,
                peak_flops=peak.flops * (par.world if device == "cuda" else 1))
     bar = ProgressBar(steps - done, show=progress, on_step=on_step)
-    report = progress or on_step is not None
-    torchrun = torchrun_rank() is not None
     try:
-        if par.world == 1 and not dist.is_initialized() and not torchrun:
-            ranks = [train_rank(**job, report=bar.update if report else None, device=device)]
-        elif torchrun:  # this process is one rank
-            ranks = launch(train_rank, par.world, report=bar.update if report else None,
-                           backend=backend, timeout=timeout, **job)
-        else:  # local workers report through their output, the bar is drawn here
-            ranks = launch(train_rank, par.world, report=ProgressBar.print_line if report else None,
-                           backend=backend, timeout=timeout, on_line=bar.on_line, **job)
+        ranks = _run(job, backend, device, timeout, bar, report=progress or on_step is not None)
     finally:
         bar.close()
     result = _merge(ranks, cfg, global_batch, peak, job["peak_flops"])
+    result.data = data
     if ranks[0].stopped:
         raise NonFiniteLoss(ranks[0].stopped, result)
     return result
+
+
+def _run(job: dict, backend: str, device: str, timeout: float, bar, report: bool) -> list:
+    """train_rank on every rank: here (one process), as this rank of a torchrun job, or on local
+    workers, which report through their output (the bar is drawn here)."""
+    par = job["par"]
+    if par.world == 1 and not dist.is_initialized() and torchrun_rank() is None:
+        return [train_rank(**job, report=bar.update if report else None, device=device)]
+    if torchrun_rank() is not None:
+        return launch(train_rank, par.world, report=bar.update if report else None,
+                      backend=backend, timeout=timeout, **job)
+    return launch(train_rank, par.world, report=ProgressBar.print_line if report else None,
+                  backend=backend, timeout=timeout, on_line=bar.on_line, **job)
 
 
 def _dataset(data, tokenizer: str, cfg, saved: dict | None) -> dataset.Dataset:
@@ -218,7 +226,6 @@ def _merge(ranks: list[RankResult], cfg, global_batch: int, peak, peak_flops: fl
         predicted_memory=_predicted(cfg, first.par, global_batch))
 
 
-# long: the loop reads top to bottom, one step's stages in order, each a line or two
 def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch: int,
                lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, data="synthetic",
                return_state: bool = False, save: str | None = None, save_every: int = 0,
@@ -235,6 +242,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
     pipeline action) with the seconds it took: a hook for demonstrations
     (demos_hetero's throttle)."""
+    # long: the loop reads top to bottom, one step's stages in order, each a line or two
     device = device or _device()
     data = data if isinstance(data, dataset.Dataset) else dataset.prepare(data)
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()

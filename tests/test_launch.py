@@ -145,6 +145,8 @@ def test_under_torchrun_it_joins_the_job(tmp_path):
 README = "import minipar\n\nresults = minipar.launch(minipar.demos.hello, 3)\nprint(results)\n"
 IN_GUARD = ("import minipar\n\nif __name__ == '__main__':\n    def work():\n        return 1\n\n"
             "    print(minipar.launch(work, 2))\n")
+OUTSIDE = ("import minipar\n\nresults = minipar.launch(minipar.demos.hello, 2)\n\n"
+           "if __name__ == '__main__':\n    print(results)\n")
 RIGHT = ("import minipar\n\ndef work():\n    return 1\n\n"
          "if __name__ == '__main__':\n    print('RESULT', minipar.launch(work, 2))\n")
 
@@ -161,7 +163,9 @@ def run_script(folder, source: str) -> subprocess.CompletedProcess:
     (IN_GUARD, "fn 'work' is defined inside `if __name__ == \"__main__\":` of job.py; workers "
                "re-import the script without running that block: define it at the top level (or in "
                "a module)"),
-], ids=["the README without a guard", "fn inside the guard"])
+    (OUTSIDE, "job.py launches at line 3, outside `if __name__ == \"__main__\":`; worker processes "
+              "re-import job.py and would launch again: move it under the guard"),
+], ids=["the README without a guard", "fn inside the guard", "a launch outside the guard"])
 def test_a_script_workers_cannot_import_fails_before_any_worker(tmp_path, source, message):
     out = run_script(tmp_path, source)
     assert out.returncode != 0

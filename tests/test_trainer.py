@@ -1,6 +1,7 @@
 """The trainer as a user drives it: the loop's knobs (warmup, cosine decay, clipping, validation),
 the numbers it writes, and every mistake refused before any work can be lost."""
 import json
+import re
 import math
 import os
 import sys
@@ -60,7 +61,7 @@ def test_a_loss_that_turns_nan_stops_the_run_and_says_so():
     (["--sample", "-5"], "--sample must be >= 0"),
     (["--vocab-size", "10"], "vocab"),
     (["--schedule", "zb-h1"], "--schedule zb-h1 needs --pp > 1"),
-    (["--plot", "/proc/loss.png"], "--plot '/proc/loss.png' cannot be written"),
+    (["--plot", "/proc/loss.png"], "plot '/proc/loss.png' cannot be written"),
     (["--plot", "README.md/loss.png"], "cannot be written"),
     (["--save", "/"], "save '/' is a directory"),
     (["--save", "/proc/x/ck.pt"], "cannot be written"),
@@ -72,7 +73,7 @@ def test_mistakes_are_refused_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--dp", "2", *CLI, "--data", "shakespeare", *flags])
     assert exit_.value.code.startswith("error: ") and len(exit_.value.code.splitlines()) == 1
-    assert __import__("re").search(message, exit_.value.code), exit_.value.code
+    assert re.search(message, exit_.value.code), exit_.value.code
     assert "[rank" not in capsys.readouterr().out  # no worker ever started
 
 
@@ -130,6 +131,26 @@ def test_own_text_with_a_bpe_tokenizer_trains_and_samples(tmp_path, capsys):
     assert "validation" in out and "--- sample ---" in out
     main(["sample", "--checkpoint", ck, "--prompt", "the quick", "--tokens", "5"])
     assert capsys.readouterr().out.startswith("the quick")
+
+
+def test_synthetic_data_prints_no_text_sample(capsys):
+    main(["train", "--data", "synthetic", "--steps", "1", "--global-batch", "4", "--plot", "",
+          "--sample", "20"])
+    out = capsys.readouterr().out
+    assert "(no text sample: the synthetic data is numbers" in out and "ROMEO" not in out
+
+
+def test_resuming_a_bpe_run_keeps_its_vocabulary(tmp_path):
+    """Even when the text has changed since (a retrained BPE would give the ids other meanings)."""
+    text, first, second = tmp_path / "t.txt", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    text.write_text("a stitch in time saves nine. " * 300)
+    common = ["train", "--data", str(text), "--tokenizer", "bpe", "--vocab-size", "300",
+              "--seq-len", "16", "--global-batch", "4", "--plot", "", "--sample", "0",
+              "--eval-every", "0"]
+    main([*common, "--steps", "1", "--save", first])
+    text.write_text(text.read_text() + "many hands make light work. " * 300)
+    main([*common, "--steps", "2", "--resume", first, "--save", second])
+    assert checkpoint.load(second)["data"]["vocab"] == checkpoint.load(first)["data"]["vocab"]
 
 
 def test_the_cli_names_itself_shows_every_default_and_its_version(capsys):
