@@ -123,7 +123,10 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     preflight.check_settings(steps=steps, lr=lr, weight_decay=weight_decay, clip=clip,
                              warmup=warmup, decay=decay, eval_every=eval_every,
                              eval_batches=eval_batches, save_every=save_every, timeout=timeout)
-    backend = pick_backend(backend, par.world)  # a world larger than the devices fails here
+    # a world larger than the devices fails here (under torchrun: this node's share of it)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world)) if torchrun_rank() is not None \
+        else par.world
+    backend = pick_backend(backend, local)
     device = "cuda" if backend == "nccl" or (backend == "auto" and par.world == 1
                                              and torch.cuda.is_available()) else "cpu"
     for path, what in ((save, "save"), (metrics, "metrics")):

@@ -18,4 +18,4 @@ HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 srun torchrun \
     --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$HEAD:29500" \
-    -m minipar train --backend nccl --data synthetic --plot "" --sample 0 "$@"
+    -m minipar train --device cuda --data synthetic --plot "" --sample 0 "$@"
