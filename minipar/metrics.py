@@ -48,6 +48,11 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter  # only where it is used (optional)
             self.writer = SummaryWriter(tensorboard)
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is written (rank 0, asked for a file or a folder)."""
+        return self.file is not None or self.writer is not None
+
     def write(self, step: int, values: dict) -> None:
         values = {k: v for k, v in values.items() if v is not None}
         if self.file:

@@ -26,14 +26,20 @@ def rows(par, mesh, global_batch: int) -> tuple[int, int, float]:
     return start, count, count * par.dp / global_batch
 
 
+def microbatches(t: torch.Tensor, rows, par, device) -> list[torch.Tensor]:
+    """This rank's rows of a global-batch tensor, cut into its par.microbatches, on `device`."""
+    start, count, _ = rows
+    return [dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
+            for mb in range(par.microbatches)]
+
+
 def forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_compute):
     """Forward and backward of this rank's micro-batches of (x, y); returns (the loss summed over
     them, the pipeline's (action, start, end) events of the step, or None). rows: `rows`."""
-    start, count, weight = rows
     if not run.pipe:
         return accumulate(run, x, y, par, rows, device, meter, after_compute), None
-    batches = [[dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
-                for mb in range(par.microbatches)] for t in (x, y)]
+    weight = rows[2]
+    batches = [microbatches(t, rows, par, device) for t in (x, y)]
     with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
         scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * weight
         loss_sum, events = run.pipe.step(*batches, loss_scale=scale)
@@ -44,11 +50,10 @@ def accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None
     """Forward and backward of this rank's micro-batches one after
     the other; returns the summed loss.
     rows: `rows`; the backward runs on loss * weight (see `rows`)."""
-    start, count, weight = rows
+    weight = rows[2]
     mp, dp, loss_sum = run.mp, run.dp, 0.0
-    for mb in range(par.microbatches):
-        xb = dataset.shard_rows(x, start, count, mb, par.microbatches).to(device)
-        yb = dataset.shard_rows(y, start, count, mb, par.microbatches).to(device)
+    for mb, (xb, yb) in enumerate(zip(microbatches(x, rows, par, device),
+                                      microbatches(y, rows, par, device))):
         last = mb == par.microbatches - 1
         t0 = time.perf_counter()
         with meter, mp.autocast():
@@ -69,16 +74,14 @@ def evaluate(run: Parallel, par, mesh, data, cfg, global_batch, seed, rows, devi
              batches: int) -> float:
     """The global mean loss on the first `batches` held-out global batches (the same ones at every
     evaluation, so the values compare), each rank its rows, in the layout (Parallel.evaluate)."""
-    start, count, weight = rows
     total = 0.0
     for k in range(batches):
         x, y = dataset.global_batch(data, k, global_batch, cfg.seq_len, cfg.vocab_size, seed,
                                     split="val")
-        inputs, targets = ([dataset.shard_rows(t, start, count, mb, par.microbatches).to(device)
-                            for mb in range(par.microbatches)] for t in (x, y))
-        total += run.evaluate(inputs, targets)
+        total += run.evaluate(microbatches(x, rows, par, device),
+                              microbatches(y, rows, par, device))
     loss = total / batches
-    return sum_over(loss * weight, mesh.dp_group) / par.dp if par.dp > 1 else loss
+    return sum_over(loss * rows[2], mesh.dp_group) / par.dp if par.dp > 1 else loss
 
 
 def sum_over(value: float, group) -> float:

@@ -297,10 +297,11 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
         if report and mesh.rank == 0:
             report(loss, tokens / out.step_times[-1])
         seconds = out.step_times[-1]
-        log.write(step + 1, dict(loss=loss, val_loss=val, lr=rate, grad_norm=norm,
-                                 tokens_per_s=tokens / seconds, step_time=seconds,
-                                 mfu=_mfu(cfg, tokens, seconds, peak_flops),
-                                 max_memory_mib=max_memory_mib(device)))
+        if log.active:  # rank 0 with a file to write: the rest measure nothing for it
+            log.write(step + 1, dict(loss=loss, val_loss=val, lr=rate, grad_norm=norm,
+                                     tokens_per_s=tokens / seconds, step_time=seconds,
+                                     mfu=_mfu(cfg, tokens, seconds, peak_flops),
+                                     max_memory_mib=max_memory_mib(device)))
         # the checkpoint, every save_every steps (0: at the end) and at the end
         if save and ((step + 1) % (save_every or steps) == 0 or step + 1 == steps):
             _checkpoint(run, mesh, cfg, step + 1, save, data, settings)
