@@ -61,7 +61,8 @@ import minipar
 from minipar import data
 from minipar.model import GPT, GPTConfig, cross_entropy
 from minipar.train import make_optimizer
-from minipar.zero import Zero3, ZeroOptimizer
+from minipar.zero import ZeroOptimizer
+from minipar.zero3 import Zero3
 
 DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
 VARIANTS = ("zero3/minipar", "zero3/torch", "fsdp2", "zero1/minipar", "zero1/torch", "ddp+zero-r")

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from minipar.pipeline.runtime import gather_stages
 from minipar.tensor_parallel import block_of, gather_blocks
-from minipar.zero import Zero3, ZeroOptimizer
+from minipar.zero import ZeroOptimizer
+from minipar.zero3 import Zero3
 
 FORMAT = 1
 
@@ -47,10 +48,11 @@ def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | N
     weights, moments = {}, {}
     # flat shards
     zero = _zero_full_state(optimizer) if isinstance(optimizer, (ZeroOptimizer, Zero3)) else None
-    for i, (name, p, source) in enumerate(_sources(model, mp)):
+    for name, p, source in _sources(model, mp):
         if zero:
-            state = {k: v for k, v in zero[i].items() if k != "weight"} if zero[i]["step"] else {}
-            weights[name] = gather_blocks(zero[i]["weight"], p, tp)
+            mine = zero[id(p)]
+            state = {k: v for k, v in mine.items() if k != "weight"} if mine["step"] else {}
+            weights[name] = gather_blocks(mine["weight"], p, tp)
         else:
             state = optimizer.state.get(source, {})
             weights[name] = gather_blocks(source.float(), p, tp)
@@ -126,7 +128,7 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
                                **{k: block_of(saved[k], p, tp).to(source.device).clone()
                                                          for k in ("exp_avg", "exp_avg_sq")}}
     if isinstance(optimizer, (ZeroOptimizer, Zero3)):  # ZeRO: flattened into its shards
-        _zero_load(optimizer, [cut[name] for name, _ in model.named_parameters()])
+        _zero_load(optimizer, {id(p): cut[name] for name, p in model.named_parameters()})
         return checkpoint["steps_done"]
     for name, p, source in _sources(model, mp):
         if cut[name]:
@@ -138,24 +140,23 @@ def restore(checkpoint: dict, model, optimizer, mp, tp) -> int:
 
 # ----------------------------------------------------------------------------- ZeRO's flat shards
 # 
-# ZeRO-1/2 keep one flat buffer, ZeRO-3 one per unit (module); each rank holds a shard of it, its
-# fp32 master (mixed precision) and AdamW's moments for the pieces
-# of parameters that fall in the shard.
+# ZeRO-1/2 keep one flat buffer (or one per bucket), ZeRO-3 one per unit (module); each rank holds
+# a shard of each, its fp32 master (mixed precision) and AdamW's moments for the pieces of
+# parameters that fall in the shard.
 
 
 def _flats(zero) -> list:
-    """(layout, shard) of each flat buffer, in parameter order: one for
-    ZeRO-1/2, a unit's each for ZeRO-3."""
+    """(layout, shard) of each flat buffer: ZeRO-1/2's buckets (in backward's order), ZeRO-3's
+    units (in the model's)."""
     if isinstance(zero, Zero3):
         return [(unit.layout, unit.mine) for unit in zero.units]
-    return [(zero.layout, zero.mine)]
+    return [(layout, mine) for layout, _, mine in zero.flats]
 
 
-def _zero_full_state(zero) -> list[dict]:
-    """Each parameter's fp32 weight and AdamW state, whole, in the model's parameter order (a
-    collective: the shards are gathered with the backend's all-gather,
-    not counted as training traffic)."""
-    states = []
+def _zero_full_state(zero) -> dict:
+    """Each parameter's fp32 weight and AdamW state, whole, by id(parameter) (a collective: the
+    shards are gathered with the backend's all-gather, not counted as training traffic)."""
+    states = {}
     for layout, mine in _flats(zero):
         shards = {"weight": (mine.master if mine.master is not None else mine.params).float()}
         for key in ("exp_avg", "exp_avg_sq"):
@@ -176,18 +177,20 @@ def _zero_full_state(zero) -> list[dict]:
                 gather(full[key], shard.contiguous(), group=zero.group)
         if zero.size > 1:  # a rank whose shard is all padding has no state
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=zero.group)
-        states += [{**{k: v[a:b].view(shape) for k, v in full.items()}, "step": step.item()}
-                   for shape, (a, b) in zip(layout.shapes, layout.ranges)]
+        states.update({id(p): {**{k: v[a:b].view(shape) for k, v in full.items()},
+                               "step": step.item()}
+                       for p, shape, (a, b) in zip(layout.params, layout.shapes, layout.ranges)})
     return states
 
 
-def _zero_load(zero, moments: list[dict | None]) -> None:
-    """AdamW's state from each parameter's whole moments (model order; None: no state yet)."""
-    if not any(moments):
+def _zero_load(zero, moments: dict) -> None:
+    """AdamW's state from each parameter's whole moments ({id(parameter): moments or None, no
+    state yet})."""
+    if not any(moments.values()):
         return
-    step = next(m["step"] for m in moments if m)
+    step = next(m["step"] for m in moments.values() if m)
     for layout, mine in _flats(zero):
-        mine_moments, moments = moments[:len(layout.shapes)], moments[len(layout.shapes):]
+        mine_moments = [moments[id(p)] for p in layout.params]
         flat = {k: layout.flatten([m[k] if m else None for m in mine_moments],
                                   torch.float32)[layout.lo:layout.hi]
                 for k in ("exp_avg", "exp_avg_sq")}

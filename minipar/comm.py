@@ -149,9 +149,22 @@ class Scratch:
             self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return self.buffers[key][:numel]
 
+    def reserve(self, numel: int, n: int, like: torch.Tensor) -> None:
+        """Make room, now and on this thread, for a ring reduce-scatter or all-reduce of `numel`
+        elements over n ranks (`receive_numel`): a caller that hands the collective to another
+        thread allocates nothing there (what minipar's memory tracker watches is this thread)."""
+        self.take(receive_numel(numel, n), like)
+
     def release(self) -> None:
         """Free the space (ZeRO-3 does, once a step, to hold no more than it must)."""
         self.buffers.clear()
+
+
+def receive_numel(numel: int, n: int) -> int:
+    """Elements of receive space the ring's reduce-scatter phase takes for a tensor of `numel` over
+    n ranks: the n-1 partial sums a rank receives, at most (n-1) * ceil(numel / n) (the chunks of
+    torch.tensor_split differ by one element at most)."""
+    return (n - 1) * -(-numel // n)
 
 
 def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=None, stats=None,
@@ -170,7 +183,7 @@ def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=N
     right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
     plan = [(phase, *step[rank]) for phase in phases for step in ring_schedule(n, phase)]
     sums = [chunks[recv_i] for phase, _, recv_i in plan if phase == "reduce-scatter"]
-    need = sum(c.numel() for c in sums)
+    need = sum(c.numel() for c in sums)  # at most receive_numel
     space = scratch.take(need, chunks[0]) if scratch is not None else chunks[0].new_empty(need)
     space = iter(space.split([c.numel() for c in sums]))
     landing = [next(space).view_as(chunks[recv_i]) if phase == "reduce-scatter" else chunks[recv_i]
@@ -195,13 +208,14 @@ def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=N
 
 
 def reduce_scatter(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
-                   scratch: Scratch | None = None) -> torch.Tensor:
+                   scratch: Scratch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The sum over the group of `tensor`, and this rank's part of it: `tensor_split(sum, n)[rank]`.
-    stats: where to count what it sends; scratch: receive space to reuse (else fresh)."""
+    stats: where to count what it sends; scratch: receive space to reuse (else fresh); out: where
+    to write the part (else a new tensor)."""
     _record(stats, "reduce_scatter", calls=1)
     rank, n, _ = _group_info(group)
     chunks = torch.tensor_split(tensor.detach().contiguous(), n)
-    out = torch.empty_like(chunks[rank])
+    out = torch.empty_like(chunks[rank]) if out is None else out
     if n == 1:
         return out.copy_(chunks[0])
     _ring(chunks, ["reduce-scatter"], group, "reduce_scatter", out, stats, scratch)
@@ -209,15 +223,17 @@ def reduce_scatter(tensor: torch.Tensor, group=None, stats: CommStats | None = N
 
 
 def all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
-               scratch: Scratch | None = None) -> torch.Tensor:
-    """Every rank's `tensor` (same shape everywhere) concatenated along dim 0, in rank order.
-    (scratch: unused, the chunks arrive in place; taken so that the three collectives are alike.)"""
+               scratch: Scratch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's `tensor` (same shape everywhere) concatenated along dim 0, in rank order, into
+    `out` if given. (scratch: unused, the chunks arrive in place; taken so that the three
+    collectives are alike.)"""
     _record(stats, "all_gather", calls=1)
     rank, n, _ = _group_info(group)
     # 0-dim: out is (n,)
     piece = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    out = torch.empty((n * piece.shape[0], *piece.shape[1:]), dtype=tensor.dtype,
-                      device=tensor.device)
+    if out is None:
+        out = torch.empty((n * piece.shape[0], *piece.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
     chunks = out.chunk(n)
     chunks[rank].copy_(piece)
     if n > 1:
@@ -291,24 +307,28 @@ def torch_all_reduce(tensor: torch.Tensor, group=None, stats: CommStats | None =
 
 
 def torch_reduce_scatter(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
-                         scratch=None) -> torch.Tensor:
-    """torch.distributed's reduce-scatter along dim 0 (its length must divide by the group size)."""
+                         scratch=None, out: torch.Tensor | None = None, async_op: bool = False):
+    """torch.distributed's reduce-scatter along dim 0 (its length must divide by the group size),
+    into `out` if given; with async_op, (out, the backend's work to wait on)."""
     n = dist.get_world_size(group)
-    out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
-                      device=tensor.device)
+    if out is None:
+        out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
     nominal(stats, "reduce_scatter", n, tensor.numel() * tensor.element_size())
     # torch < 2.13
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    reduce_scatter(out, tensor.contiguous(), group=group)
-    return out
+    work = reduce_scatter(out, tensor.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def torch_all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
-                     scratch=None) -> torch.Tensor:
-    """torch.distributed's all-gather along dim 0 (every rank's tensor of the same shape)."""
+                     scratch=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.distributed's all-gather along dim 0 (every rank's tensor of the same shape), into
+    `out` if given."""
     n = dist.get_world_size(group)
-    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
-                      device=tensor.device)
+    if out is None:
+        out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
     nominal(stats, "all_gather", n, out.numel() * out.element_size())
     # torch < 2.13
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -48,13 +48,14 @@ class ParallelConfig:
                                      #   scaling; "pure-bf16" no masters (the contrast)
     recompute: str = "none"          # activation recomputation: "none", "selective"
                                      #   (attention), "full"
-    dp_mode: str = "bucketed"        # gradient all-reduce: "naive" (one per parameter, after
-                                     #   backward) or "bucketed" (overlapped with backward)
+    dp_mode: str = "bucketed"        # gradient reduction: "naive" (after backward: one all-reduce
+                                     #   per parameter; ZeRO-1/2 one flat reduce-scatter) or
+                                     #   "bucketed" (buckets overlapped with backward)
     bucket_mb: float = 25.0          # bucket size in MiB for "bucketed" (DDP's default is 25)
     collectives: str = "minipar"     # whose all-reduce: "minipar" (comm.py's ring)
                                      #   or "torch" (the backend's)
-    reduce_fp32: bool = True         # 16-bit precisions under DP: all-reduce the fp32 master
-                                     #   gradients (True) or the 16-bit ones, in buckets (half the
+    reduce_fp32: bool = True         # bf16/fp16: accumulate and reduce the gradients in fp32
+                                     #   (True: the masters' .grad) or in 16 bits (half the
                                      #   bytes, 16-bit sums)
     stage_layers: tuple | None = None  # layers of each pipeline chunk, in chunk
                                        #   order (pp * virtual_stages
@@ -82,6 +83,15 @@ class ParallelConfig:
                                                                float)) or not self.bucket_mb > 0:
             raise ValueError("ParallelConfig.bucket_mb must be a positive number, got "
                              f"{self.bucket_mb!r}")
+        default_bucket = ParallelConfig.__dataclass_fields__["bucket_mb"].default
+        if self.zero == 3 and (self.dp_mode != "bucketed" or self.bucket_mb != default_bucket):
+            raise ValueError("ParallelConfig.dp_mode and bucket_mb have no effect with zero=3: "
+                             "ZeRO-3 reduce-scatters each unit (module) as soon as its gradients "
+                             "are in; leave them at their defaults")
+        if self.dp_mode == "naive" and self.bucket_mb != default_bucket:
+            raise ValueError("ParallelConfig.bucket_mb has no effect with dp_mode='naive' (a "
+                             "bucket per parameter for DP, one flat buffer for ZeRO-1/2); use "
+                             "dp_mode='bucketed'")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError("ParallelConfig.sequence_parallel must be True or False, got "
                              f"{self.sequence_parallel!r}")

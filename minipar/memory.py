@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from minipar.comm import receive_numel
+from minipar.data_parallel import split
 from minipar.pipeline.runtime import partition
 from minipar.pipeline.schedules import cached_schedule
 
@@ -125,10 +127,15 @@ MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads;
 PURE_BF16 = {"params": 2, "grads": 2, "optimizer": 4}  # no master: two bf16 moments
 
 
-def layout_bytes(precision: str) -> dict[str, int]:
-    """Bytes per parameter of each model state: FP32 for "fp32", the ZeRO paper's MIXED (2 + 2 + K,
-    K = 12) for "bf16" and "fp16", PURE_BF16 for "pure-bf16"."""
-    return dict({"fp32": FP32, "pure-bf16": PURE_BF16}.get(precision, MIXED))
+MIXED_FP32_GRADS = {"params": 2, "grads": 4, "optimizer": 12}  # fp32 gradients: Megatron's 18
+
+
+def layout_bytes(precision: str, fp32_grads: bool = True) -> dict[str, int]:
+    """Bytes per parameter of each model state: FP32 for "fp32", PURE_BF16 for "pure-bf16"; for
+    "bf16" and "fp16" MIXED_FP32_GRADS (2 + 4 + 12: gradients accumulated and reduced in fp32,
+    ParallelConfig.reduce_fp32, minipar's default) or the ZeRO paper's MIXED (2 + 2 + K, K = 12)."""
+    mixed = MIXED_FP32_GRADS if fp32_grads else MIXED
+    return dict({"fp32": FP32, "pure-bf16": PURE_BF16}.get(precision, mixed))
 
 
 def element_bytes(precision: str) -> int:
@@ -175,6 +182,18 @@ def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
     return units + ([2 * h, (V * h + V) // t] if last else [])
 
 
+def chunk_params(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
+    """Elements of each parameter one of t tensor-parallel ranks holds of a model chunk, in the
+    model's order (`chunk_units` is their sum by unit): per block ln1 (h, h), q (h^2/t, h/t), k
+    (h^2/t, no bias), v (h^2/t, h/t), proj (h^2/t, h), ln2 (h, h), fc (4h^2/t, 4h/t), proj (4h^2/t,
+    h). Data parallelism's buckets are cut from them (data_parallel.split)."""
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    block = [h, h, h * h // t, h // t, h * h // t, h * h // t, h // t, h * h // t, h, h, h,
+             4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+    return ([V * h // t, s * h] if first else []) + block * layers + \
+        ([h, h, V * h // t, V // t] if last else [])
+
+
 def chunk_layers(cfg, par) -> list[int]:
     """Layers of each of the pp * virtual_stages model chunks, as pipeline.runtime.partition cuts
     them (or as par.stage_layers says)."""
@@ -182,12 +201,13 @@ def chunk_layers(cfg, par) -> list[int]:
     return [len(c) for c in chunks]
 
 
-def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int) -> list[int]:
-    """The units (`chunk_units`) of every chunk pipeline rank `pp_rank` holds: chunk k of
-    len(layers), with layers[k] blocks, lives on rank k % pp (pipeline.rank_of)."""
-    n = len(layers)
+def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int, of=None) -> list[int]:
+    """The units (`chunk_units`; of=chunk_params: the parameters) of every chunk pipeline rank
+    `pp_rank` holds: chunk k of len(layers), with layers[k] blocks, lives on rank k % pp
+    (pipeline.rank_of)."""
+    n, of = len(layers), of or chunk_units
     mine = range(pp_rank, n, pp)
-    return [u for c in mine for u in chunk_units(cfg, t, layers[c], c == 0, c == n - 1)]
+    return [u for c in mine for u in of(cfg, t, layers[c], c == 0, c == n - 1)]
 
 
 def flat_shard(total: int, n: int, rank: int) -> tuple[int, int]:
@@ -264,65 +284,78 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
 
 def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *, rank: int = 0,
             pp_rank: int = 0) -> dict[str, int]:
-    """Predicted peak memory of DP rank `rank` (default 0, the fullest) of pipeline stage `pp_rank`,
-    {category: bytes}, as `train(...).peak_memory` measures it. Psi = the parameters a rank holds
-    (`tp_params`, or `stage_params` with pp > 1), N = par.dp,
-    bytes per parameter (p, g, k) = `bytes_per_param` or `layout_bytes(par.precision)`: (4, 4, 8)
-    fp32, (2, 2, 12) mixed.
+    """Predicted memory of DP rank `rank` (default 0, the fullest) of pipeline stage `pp_rank`,
+    {category: bytes}, as `train(...).peak_memory` tallies it: model states and buffers after the
+    step, activations at their peak. Psi = the parameters a rank holds (`tp_params`, or
+    `stage_params` with pp > 1), N = par.dp, bytes per parameter (p, g, k) = `bytes_per_param` or
+    `layout_bytes(par.precision, par.reduce_fp32)`: (4, 4, 8) fp32, (2, 4, 12) mixed with fp32
+    gradients, (2, 2, 12) with 16-bit ones.
 
-      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffer)
+      params     p Psi (stage 0) | p Psi_pad (1, 2: every rank holds the padded flat buffers)
                  | p Psi_pad/N (3)
-      grads      g Psi (0, 1) | g Psi_pad/N (2, 3)
+      grads      g Psi (0: the buckets are the .grad) | g Psi_pad (1: the full buffers) |
+                 g Psi_pad/N (2, 3)
       optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
       activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches) (with dp_shares:
                  this rank's share / microbatches), e = 4 in fp32 and 2 in 16-bit (a model held in
                  16 bits, as precision.MixedPrecision makes it); with pp > 1 the schedule's peak
                  over the micro-batches in flight (`stage_activations`)
-      comm       stage 0: the buckets, g Psi (bucketed, dp > 1) | 1: the reduce-scatter's output,
-                 g Psi_pad/N | 2: 0 (that output is the gradient shard) | 3: the gathered units, at
+      comm       the ring's receive space (collectives "minipar", N > 1): g (N-1) ceil(B/N) for the
+                 largest bucket of B elements (stage 0 naive: the largest parameter) | + stage 1:
+                 the reduce-scatter's output shards, g Psi_pad/N | stage 3: the gathered units, at
                  most two adjacent ones at a time, p (full_i + full_{i+1}) at the largest pair
-    Psi_pad is Psi padded to a multiple of N (stage 3: each unit padded on its own). Not counted, as
-    the measurement does not count them: the optimizer's step counters (4 bytes for each parameter,
-    or piece of one, that a rank updates) and transient buffers: the flat gradient a stage-1/2 step
-    reduce-scatters from (g Psi_pad), a unit's full gradients in stage 3, and in stage 2 the full
-    gradients, which zero.py keeps from backward to the step (a production ZeRO-2 reduce-scatters
-    them bucket by bucket during backward instead).
+    Psi_pad is Psi with each flat buffer padded to a multiple of N: stages 1, 2 one per bucket
+    (data_parallel.split; dp_mode "naive": one), stage 3 one per unit. Not counted, as the tally
+    does not count them: the optimizer's step counters (4 bytes for each parameter, or piece of one,
+    that a rank updates) and what lives only within the step: stage 2's full gradient buffers (all
+    of them through backward with dp_mode "naive", at most two with "bucketed"), a unit's full
+    gradients in stage 3, autograd's temporaries.
     """
     if par.zero == 3 and (par.tp > 1 or par.pp > 1):
         raise NotImplementedError("predict covers ZeRO-3 with dp alone")
     par.check(cfg, global_batch)
-    per = bytes_per_param or layout_bytes(par.precision)
-    units = rank_units(cfg, par.tp, chunk_layers(cfg, par), par.pp, pp_rank)
+    per = bytes_per_param or layout_bytes(par.precision, par.reduce_fp32)
+    layers = chunk_layers(cfg, par)
+    units = rank_units(cfg, par.tp, layers, par.pp, pp_rank)
+    params = rank_units(cfg, par.tp, layers, par.pp, pp_rank, of=chunk_params)
     b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch, dp_shares
     activations = stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank)
-    return by_category(rank_states(par, units, per, rank), activations)
+    return by_category(rank_states(par, units, per, rank, params), activations)
 
 
-def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0) -> dict[str, int]:
-    """Model states and communication buffers, bytes {params, grads, optimizer, comm}, of DP rank
-    `dp_rank` holding the units `sizes` (`rank_units`) at `per` bytes a parameter, as zero.py and
-    data_parallel.py allocate them (`predict` gives the formulas): ZeRO-3 pads each unit on its own,
-    stages 0-2 one flat buffer of their sum. predict and the planner's stages count with it."""
-    n, stage, psi = par.dp, par.zero, sum(sizes)
-    shards = [flat_shard(size, n, dp_rank) for size in (sizes if stage == 3 else [psi])]
-    shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
-    if stage == 0:    # the buckets: a flat copy of the gradients (mixed precision
-                      #   reduces its masters' instead)
-        # else the masters'
-        own_grads = par.precision in ("fp32", "pure-bf16") or not par.reduce_fp32
-        bucketed = n > 1 and par.dp_mode == "bucketed" and own_grads
-        comm = per["grads"] * psi if bucketed else 0
-    elif stage == 1:  # the reduce-scatter's output
-        comm = per["grads"] * shard
-    elif stage == 2:  # that output is the gradient shard itself
-        comm = 0
-    else:             # a unit and the next one, prefetched, gathered at once
+def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
+                params: list[int] | None = None) -> dict[str, int]:
+    """Model states and communication buffers after a step, bytes {params, grads, optimizer, comm},
+    of DP rank `dp_rank` holding the units `sizes` (`rank_units`) at `per` bytes a parameter, as
+    zero.py, zero3.py and data_parallel.py allocate them (`predict` gives the formulas). ZeRO-3 pads
+    each unit on its own; stages 1-2 each gradient bucket (data_parallel.split of `params`, the
+    parameters' sizes, model order; None: one flat buffer of their sum, the planner's
+    approximation). predict and the planner's stages count with it."""
+    n, stage, psi, g = par.dp, par.zero, sum(sizes), per["grads"]
+    ring = n > 1 and par.collectives == "minipar"  # the ring's receive space: the largest bucket
+    scratch = lambda numel: g * receive_numel(numel, n) if ring else 0  # noqa: E731
+    if stage == 3:  # a unit and the next one, prefetched, gathered at once (the scratch is freed)
+        shards = [flat_shard(size, n, dp_rank) for size in sizes]
         full = [n * s for s, _ in shards]
-        comm = per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)
-    return {"params": per["params"] * (psi, n * shard, n * shard, shard)[stage],
-            "grads": per["grads"] * (psi if stage < 2 else shard),
-            "optimizer": per["optimizer"] * (psi if stage == 0 else owned),
-            "comm": comm}
+        shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
+        return {"params": per["params"] * shard, "grads": g * shard,
+                "optimizer": per["optimizer"] * owned,
+                "comm": per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)}
+    params = params or [psi]
+    naive = par.dp_mode == "naive"
+    groups = split(params, None if naive else int(par.bucket_mb * 2**20), g)
+    buckets = [sum(params[i] for i in b) for b in groups]
+    if stage == 0:  # the buckets are the gradients; naive: one per parameter
+        largest = max(params) if naive else max(buckets)
+        return {"params": per["params"] * psi, "grads": g * psi,
+                "optimizer": per["optimizer"] * psi, "comm": scratch(largest)}
+    shards = [flat_shard(size, n, dp_rank) for size in ([psi] if naive else buckets)]
+    shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
+    # stage 1 keeps the full gradient buffers and its reduce-scatter's output shards; stage 2 the
+    # shards as its gradients (the full buffers are freed once reduced)
+    return {"params": per["params"] * n * shard, "grads": g * (n * shard if stage == 1 else shard),
+            "optimizer": per["optimizer"] * owned,
+            "comm": g * shard * (stage == 1) + scratch(max(n * s for s, _ in shards))}
 
 
 def by_category(states: dict, activations: int) -> dict[str, int]:

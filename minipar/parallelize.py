@@ -29,16 +29,18 @@ from minipar import checkpoint
 from minipar.clip import ClipGradNorm
 from minipar.comm import CommStats
 from minipar.config import ParallelConfig
-from minipar.data_parallel import DataParallelBucket, DataParallelNaive
+from minipar.data_parallel import DataParallelBucket, DataParallelNaive, GradBuckets
 from minipar.mesh import Mesh
 from minipar.model import GPT, cross_entropy
 from minipar.pipeline import schedule
 from minipar.pipeline.runtime import PipelineExecutor, chunks_for_rank, free_unused
 from minipar.precision import DTYPES, LossScaler, MixedPrecision
 from minipar.recompute import apply_recompute
-from minipar.tensor_parallel import (TPGroup, apply_tp, sync_sequence_parallel_grads,
+from minipar.tensor_parallel import (TPGroup, apply_tp, sequence_partial,
+                                     sync_sequence_parallel_grads,
                                      vocab_parallel_cross_entropy)
-from minipar.zero import Zero3, ZeroOptimizer
+from minipar.zero import ZeroOptimizer
+from minipar.zero3 import Zero3
 
 
 @dataclass
@@ -52,8 +54,7 @@ class Parallel:
                                       #   (unless ZeRO keeps them)
     loss_fn: object                   # (logits, targets) -> mean loss; vocab-parallel with tp > 1
     tp: TPGroup | None = None
-    dp: DataParallelNaive | None = None       # reduces the model's gradients (dp > 1, no ZeRO)
-    masters: DataParallelNaive | None = None  # or the fp32 masters' (mixed precision, reduce_fp32)
+    dp: GradBuckets | None = None     # accumulates and reduces the gradients (apply_dp; ZeRO-1/2's)
     pipe: PipelineExecutor | None = None
     stats: CommStats | None = None            # where clipping counts its all-reduces
 
@@ -70,15 +71,17 @@ class Parallel:
         if max_norm != 0:  # the pp and tp ranks hold different parts; ZeRO adds its DP group
             groups = ([self.tp.group] if self.tp else []) + ([self.pipe.group] if self.pipe else [])
             clip = ClipGradNorm(max_norm, tuple(groups), self.tp.rank if self.tp else 0, self.stats)
+        sp = self.tp if self.tp and self.tp.sequence_parallel else None
+        if isinstance(self.optimizer, (ZeroOptimizer, Zero3)):
+            self.optimizer.step(clip=clip, sp=sp)  # ZeRO-1/2 wait for their buckets
+            return clip.norm if clip else None
         if self.dp:
             self.dp.finish()
-        if self.tp and self.tp.sequence_parallel:  # after DP's, which writes the gradients back
-            sync_sequence_parallel_grads(self.model, self.tp)
-        if isinstance(self.optimizer, (ZeroOptimizer, Zero3)):
-            self.optimizer.step(clip=clip)
-        else:
-            reduce = self.masters.reduce if self.masters else None
-            self.mp.step(self.optimizer, reduce=reduce, clip=clip)
+        if sp:  # after DP's, which writes the gradients back
+            grads = [self.dp.grad(p) if self.dp else p.grad for p in self.model.parameters()
+                     if sequence_partial(p)]
+            sync_sequence_parallel_grads(grads, sp)
+        self.mp.step(self.optimizer, clip=clip)
         return clip.norm if clip else None
 
     def set_lr(self, lr: float) -> None:
@@ -119,9 +122,8 @@ class Parallel:
         return self.mp.scaler.state_dict() if self.mp.scaler else None
 
     def close(self) -> None:
-        for sync in (self.dp, self.masters):
-            if sync:
-                sync.close()
+        if self.dp:
+            self.dp.close()
         if isinstance(self.optimizer, Zero3):
             self.optimizer.close()
 
@@ -141,31 +143,45 @@ def apply_precision(model: torch.nn.Module, par: ParallelConfig, masters: bool =
     return MixedPrecision(model, par.precision, masters=masters, scaler=scaler)
 
 
+def grad_dtype(par: ParallelConfig) -> torch.dtype:
+    """The dtype gradients accumulate and are reduced in: fp32 under mixed precision unless
+    par.reduce_fp32 is False (then 16 bits), else the model's."""
+    mixed = par.precision in ("bf16", "fp16")
+    return torch.float32 if mixed and par.reduce_fp32 else DTYPES[par.precision]
+
+
+def bucket_bytes(par: ParallelConfig) -> int | None:
+    """par.bucket_mb in bytes for dp_mode "bucketed", None for "naive"."""
+    return int(par.bucket_mb * 2**20) if par.dp_mode == "bucketed" else None
+
+
 def apply_zero(model: torch.nn.Module, par: ParallelConfig, mesh: Mesh, lr: float,
                weight_decay: float, scaler: LossScaler | None, stats: CommStats | None):
     """ZeRO stage par.zero over the DP group: shards `model`'s parameters (fp32 masters of the shard
     under mixed precision) and returns the optimizer that reduces the gradients and steps."""
     shard = dict(collectives=par.collectives, dtype=DTYPES[par.precision],
-                 master=par.precision in ("bf16", "fp16"), scaler=scaler, stats=stats)
+                 master=par.precision in ("bf16", "fp16"), scaler=scaler, stats=stats,
+                 grad_dtype=grad_dtype(par))
     if par.zero == 3:
         return Zero3(model, mesh.dp_group, lr, weight_decay, **shard)
-    return ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard)
+    return ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard,
+                         bucket_bytes=bucket_bytes(par))
 
 
 def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, mesh: Mesh,
-             stats: CommStats | None) -> tuple[DataParallelNaive | None, DataParallelNaive | None]:
-    """(dp, masters): what averages the gradients over the DP group, for par.dp > 1. dp reduces the
-    model's own gradients (par.dp_mode: DataParallelNaive or DataParallelBucket); masters, under
-    mixed precision with par.reduce_fp32, the fp32 master gradients
-    instead, an all-reduce per tensor."""
-    if par.dp == 1:
-        return None, None
-    if mp.master is not None and par.reduce_fp32:
-        return None, DataParallelNaive(mp.master, mesh.dp_group, par.collectives, stats)
+             stats: CommStats | None) -> DataParallelNaive | None:
+    """What accumulates the gradients and averages them over the DP group (par.dp_mode:
+    DataParallelNaive or DataParallelBucket): for par.dp > 1, and under mixed precision with
+    par.reduce_fp32 on one rank too, where its fp32 buffers are the masters' .grad (fp32
+    accumulation). None: autograd's own .grad is all there is."""
+    fp32_grads = mp.master is not None and par.reduce_fp32
+    if par.dp == 1 and not fp32_grads:
+        return None
+    sync = dict(collectives=par.collectives, stats=stats, dtype=grad_dtype(par),
+                holders=list(mp.master) if fp32_grads else None)
     if par.dp_mode == "naive":
-        return DataParallelNaive(model, mesh.dp_group, par.collectives, stats), None
-    bucket_bytes = int(par.bucket_mb * 2**20)
-    return DataParallelBucket(model, mesh.dp_group, bucket_bytes, par.collectives, stats), None
+        return DataParallelNaive(model, mesh.dp_group, **sync)
+    return DataParallelBucket(model, mesh.dp_group, bucket_bytes(par), **sync)
 
 
 def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: int, lr: float,
@@ -188,7 +204,7 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
                                  layers=par.stage_layers)
         free_unused(model, chunks.values())
     apply_recompute(model, par.recompute)                                   # 3. recomputation
-    dp = masters = None                                                     # 4. precision, ZeRO, DP
+    dp = None                                                               # 4. precision, ZeRO, DP
     if par.zero:
         # ZeRO before precision: its fp32 master shards are cut from the fp32 initialisation and it
         # casts its flat buffers itself; precision then only autocasts, and scales the loss with the
@@ -196,12 +212,13 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         scaler = LossScaler() if par.precision == "fp16" else None
         optimizer = apply_zero(model, par, mesh, lr, weight_decay, scaler, stats)
         mp = apply_precision(model, par, masters=False, scaler=scaler)
+        dp = getattr(optimizer, "grads", None)  # ZeRO-1/2's buckets: no_sync and their spans
     else:
         # precision before DP: the masters copy the fp32 weights before the cast, and DP's buckets
         # take the dtype of the gradients they will hold
         mp = apply_precision(model, par)
         optimizer = make_optimizer(mp.optimized, lr, weight_decay)
-        dp, masters = apply_dp(model, mp, par, mesh, stats)  # last: hooks on the final parameters
+        dp = apply_dp(model, mp, par, mesh, stats)  # last: hooks on the final parameters
     pipe = None
     # 5. the pipeline's executor
     if par.pp > 1:
@@ -216,4 +233,4 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         checkpoint.restore(resumed, model, optimizer, mp, tp)
         if resumed.get("scaler") and mp.scaler:  # another precision's run has none, or ignores it
             mp.scaler.load_state_dict(resumed["scaler"])
-    return Parallel(model, optimizer, mp, loss_fn, tp, dp, masters, pipe, stats)
+    return Parallel(model, optimizer, mp, loss_fn, tp, dp, pipe, stats)

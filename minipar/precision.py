@@ -27,10 +27,13 @@ Transient: this naive step converts the 16-bit grads into fp32 master grads (4 P
 and frees them right after it, as DeepSpeed's FP16_Optimizer does (a fused optimizer that reads the
 16-bit grads directly avoids even that).
 
-Data parallelism: by default the gradients are all-reduced in fp32, on the master grads
-(`grads_to_master(reduce=...)`, 2(N-1)/N * 4 Psi bytes per rank), so the sum is not rounded to 16
-bits; the option is to all-reduce the 16-bit grads before `grads_to_master` (2(N-1)/N * 2 Psi).
-Either way an fp16 overflow on one rank reaches every rank through the sum, so all skip the step.
+Gradient accumulation and data parallelism (parallelize.py): by default the gradients accumulate
+in fp32, in data_parallel.GradBuckets' buffers, which become the masters' .grad (the paper's third
+trick: 16-bit products summed into fp32; Megatron-LM's fp32 "main grads"), and are all-reduced there
+(2(N-1)/N * 4 Psi bytes per rank); grads are then 4 Psi, not 2 Psi (Megatron's 2 + 4 + 12 = 18
+bytes a parameter). The option (reduce_fp32=False) accumulates and all-reduces 16-bit grads
+(2(N-1)/N * 2 Psi) and copies them to the masters here. Either way an fp16 overflow on one rank
+reaches every rank through the sum, so all skip the step.
 """
 from __future__ import annotations
 
@@ -135,7 +138,8 @@ class MixedPrecision:
         return loss * self.scaler.scale if self.scaler else loss
 
     def grads_to_master(self, reduce=None) -> bool:
-        """Move the model's grads to the fp32 masters (freeing the 16-bit ones), then
+        """Move the model's grads to the fp32 masters (freeing the 16-bit ones; a master whose grad
+        data_parallel.GradBuckets accumulated in fp32 already keeps it), then
         `reduce(grads)` if given (the data-parallel all-reduce, in place, on the fp32 grads), then
         in fp16 unscale and check for inf/nan. Returns whether to take the step: False only on an
         fp16 overflow, which also backs the scale off. fp32 and pure-bf16 keep their grads on the
@@ -146,8 +150,9 @@ class MixedPrecision:
                 reduce([p.grad for p in self.params if p.grad is not None])
             return True
         for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.float()  # an fp32 copy
-            p.grad = None
+            if p.grad is not None:  # else the master's grad is there already: DP's fp32 buckets
+                m.grad = p.grad.float()  # an fp32 copy
+                p.grad = None
         grads = [m.grad for m in self.master if m.grad is not None]
         if reduce:
             reduce(grads)

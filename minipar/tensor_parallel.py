@@ -356,16 +356,20 @@ def apply_tp(model: GPT, tp: TPGroup) -> GPT:
     return model
 
 
-def sync_sequence_parallel_grads(model: nn.Module, tp: TPGroup) -> None:
-    """With SP, sum the partial gradients of the shard-used parameters
-    over the group: one all-reduce."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_partial", False)
-             and p.grad is not None]
+def sync_sequence_parallel_grads(grads: list, tp: TPGroup) -> None:
+    """With SP, sum the partial gradients of the shard-used parameters (`sequence_partial`; `grads`,
+    wherever they are held) over the group, in place: one all-reduce."""
+    grads = [g for g in grads if g is not None and g.numel()]
     if not grads:
         return
     flat = tp.ops.all_reduce(torch.cat([g.reshape(-1) for g in grads]), tp.group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
+
+
+def sequence_partial(p) -> bool:
+    """Whether SP leaves p's gradient partial on each TP rank (LayerNorms, row-parallel biases)."""
+    return getattr(p, "sequence_partial", False)
 
 
 def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:

@@ -10,7 +10,8 @@ The formulas are the techniques' own (their module docstrings state them; docs/r
 """
 from __future__ import annotations
 
-from minipar.memory import chunk_units, element_bytes, flat_shard, layout_bytes
+from minipar.data_parallel import split
+from minipar.memory import chunk_params, chunk_units, element_bytes, flat_shard, layout_bytes
 
 
 def dp(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
@@ -20,22 +21,32 @@ def dp(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
       stages 1, 2       reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  (N-1)/N p Psi_pad
       stage 3           reduce_scatter  (N-1)/N g Psi_pad   +  all_gather  2 (N-1)/N p Psi_pad
                         (gathered before forward and again before backward: 3 Psi in all, 1.5x DP),
-                        times par.microbatches: every micro-batch gathers and reduces again
+                        times par.microbatches: every micro-batch gathers and reduces again;
+                        bucketed stage 2 reduce-scatters every micro-batch too, and pads each
+                        bucket (data_parallel.split) on its own
     Psi is what one rank holds (`tp_params`); `tp` adds the TP group's bytes.
     With par.collectives == "torch" the names get a "torch_" prefix. Nothing is sent when N = 1.
     """
-    per = bytes_per_param or layout_bytes(par.precision)
+    per = bytes_per_param or layout_bytes(par.precision, par.reduce_fp32)
     n, units = par.dp, chunk_units(cfg, par.tp, cfg.n_layer, True, True)
     if n == 1:
         return {}
     psi = sum(units)
-    shard = sum(flat_shard(size, n, 0)[0] for size in (units if par.zero == 3 else [psi]))
+    flats = units if par.zero == 3 else [psi]
+    if par.zero in (1, 2) and par.dp_mode == "bucketed":  # each bucket padded on its own
+        sizes = chunk_params(cfg, par.tp, cfg.n_layer, True, True)
+        flats = [sum(sizes[i] for i in b)
+                 for b in split(sizes, int(par.bucket_mb * 2**20), per["grads"])]
+    shard = sum(flat_shard(size, n, 0)[0] for size in flats)
     if par.zero == 0:
         sent = {"all_reduce": 2 * (n - 1) / n * per["grads"] * psi}
     else:
-        times = par.microbatches if par.zero == 3 else 1
+        # ZeRO-3 and bucketed ZeRO-2 reduce every micro-batch (ZeRO-3 gathers every one too)
+        every = par.zero == 3 or (par.zero == 2 and par.dp_mode == "bucketed")
+        times = par.microbatches if every else 1
         sent = {"reduce_scatter": times * (n - 1) * shard * per["grads"],
-                "all_gather": times * (2 if par.zero == 3 else 1) * (n - 1) * shard * per["params"]}
+                "all_gather": (times if par.zero == 3 else 1) * (2 if par.zero == 3 else 1)
+                * (n - 1) * shard * per["params"]}
     prefix = "torch_" if par.collectives == "torch" else ""
     return {prefix + k: v for k, v in sent.items()}
 
@@ -69,7 +80,8 @@ def tp(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
         partial = 6 * l * cfg.d_model + cfg.seq_len * cfg.d_model + 2 * cfg.d_model
         sent = {"reduce_scatter": m * (4 * l + 2 + again) * ring * x,
                 "all_gather": m * ((6 * l + 3 + 2 * again) * ring * x + (t - 1) * stats),
-                "all_reduce": m * 2 * 2 * ring * stats + 2 * ring * partial * e}
+                "all_reduce": m * 2 * 2 * ring * stats
+                + 2 * ring * partial * layout_bytes(par.precision, par.reduce_fp32)["grads"]}
     else:
         sent = {"all_reduce": m * ((4 * l + 2 + again) * 2 * ring * x + 2 * 2 * ring * stats),
                 "all_gather": m * (t - 1) * stats}

@@ -41,7 +41,8 @@ from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F
 from minipar.pipeline.runtime import gather_stages
 from minipar.precision import DTYPES
 from minipar.tensor_parallel import full_state_dict
-from minipar.zero import Zero3, ZeroOptimizer
+from minipar.zero import ZeroOptimizer
+from minipar.zero3 import Zero3
 
 
 @dataclass
@@ -386,5 +387,7 @@ def _measure(run: Parallel) -> dict[str, int]:
         return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(),
                               optimizer.state_tensors(),
                               comm=optimizer.comm_bytes)
-    buckets = run.dp.comm_buffer_bytes if run.dp else 0
-    return {**run.mp.measure(optimizer), "activations": 0, "comm": buckets}
+    states = run.mp.measure(optimizer)
+    if run.dp:  # the gradients are its buffers (the .grad are views of them)
+        states["grads"] = memory.tensor_bytes(run.dp.buffers())
+    return {**states, "activations": 0, "comm": run.dp.comm_buffer_bytes if run.dp else 0}

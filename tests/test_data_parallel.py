@@ -23,8 +23,9 @@ def variants(dp):
         for collectives in ("minipar", "torch"):
             for microbatches in (1, 2):
                 if BATCH % (dp * microbatches) == 0:
+                    bucket = dict(bucket_mb=SMALL_BUCKET) if mode == "bucketed" else {}
                     out.append(ParallelConfig(dp=dp, dp_mode=mode, collectives=collectives,
-                                              microbatches=microbatches, bucket_mb=SMALL_BUCKET))
+                                              microbatches=microbatches, **bucket))
     return out
 
 
@@ -60,7 +61,11 @@ def test_collective_counts():
     assert calls[2] == {"all_reduce": STEPS}                           # one bucket holds the model
     assert calls[3] == {"all_reduce": STEPS * buckets}                 # no all-reduce on micro-steps 1, 2
     assert calls[4] == {"torch_all_reduce": STEPS * tensors}
-    assert ranks[0][1].memory["comm"] == GRAD_BYTES                # the buckets: one gradient copy
+    for naive, bucketed in ((0, 1), (4, 3)):  # the buckets are the gradients: no second copy
+        assert ranks[0][naive].memory["grads"] == ranks[0][bucketed].memory["grads"] == GRAD_BYTES
+    largest = max(p.numel() for p in minipar.GPT(TINY).parameters())  # the ring's receive space
+    assert ranks[0][0].memory["comm"] == 4 * (2 - 1) * -(-largest // 2)  # for the largest bucket
+    assert ranks[0][4].memory["comm"] == 0  # the backend's all-reduce: no receive space of ours
 
 
 def test_dp_through_train_and_the_cli(tmp_path, capsys):

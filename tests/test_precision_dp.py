@@ -1,5 +1,6 @@
 """Mixed precision through minipar.train: data parallelism reproduces the single-process run of the
-same precision within 16-bit bounds, and each rank holds the ZeRO paper's 2 + 2 + 12 bytes a parameter.
+same precision within 16-bit bounds, and each rank holds 2 + 4 + 12 bytes a parameter (fp32 gradients,
+Megatron-LM's 18 bytes), or the ZeRO paper's 2 + 2 + 12 with 16-bit gradients (reduce_fp32=False).
 
 Bounds (measured: losses within 2.3e-5, whole-model weights within 7.6e-4 at dp 2 and 4): the 16-bit
 matmuls of a half batch need not round like those of the whole batch, and one bf16 rounding step of a
@@ -40,29 +41,32 @@ def test_data_parallel_matches_the_single_process_run_in_16_bits(dp, references)
                    for v in got.state_dict.values())
 
 
-@pytest.mark.parametrize("precision,per_param", [("fp32", (4, 4, 8)), ("bf16", (2, 2, 12)),
-                                                 ("fp16", (2, 2, 12)), ("pure-bf16", (2, 2, 4))])
-def test_bytes_per_parameter(precision, per_param):
-    res = minipar.train(TINY, ParallelConfig(dp=2, precision=precision), steps=1, global_batch=4)
+@pytest.mark.parametrize("precision,per_param,fp32_grads", [
+    ("fp32", (4, 4, 8), True), ("bf16", (2, 4, 12), True), ("fp16", (2, 4, 12), True),
+    ("bf16", (2, 2, 12), False), ("fp16", (2, 2, 12), False), ("pure-bf16", (2, 2, 4), True)])
+def test_bytes_per_parameter(precision, per_param, fp32_grads):
+    par = ParallelConfig(dp=2, precision=precision, reduce_fp32=fp32_grads or precision == "fp32")
+    res = minipar.train(TINY, par, steps=1, global_batch=4)
     mem, psi, tensors = res.peak_memory[0], TINY.num_params, len(minipar.GPT(TINY).state_dict())
     assert (mem["params"], mem["grads"]) == (per_param[0] * psi, per_param[1] * psi)
     assert mem["optimizer"] == per_param[2] * psi + 4 * tensors  # + Adam's step counters
-    # gradients are all-reduced in fp32 (on the masters) unless the whole run is 16-bit
-    wire = 2 if precision == "pure-bf16" else 4
+    # gradients are all-reduced in fp32 (the masters' .grad) unless told, or the whole run is 16-bit
+    wire = per_param[1]
     assert sum(res.comm_bytes[0].values()) == pytest.approx(2 * 1 / 2 * wire * psi, abs=4 * 2 * tensors)
 
 
 @pytest.mark.parametrize("dp", [2, 3])
 def test_zero_in_16_bits_matches_the_single_process_run(dp, references):
-    """ZeRO keeps fp32 master shards and reduce-scatters 16-bit gradients (the ZeRO paper's 2 Psi in
-    16 bits): a little more rounding than the fp32 reduction of plain DP (measured 1.9e-3)."""
+    """ZeRO keeps fp32 master shards and accumulates and reduce-scatters fp32 gradients (pure-bf16:
+    16-bit ones)."""
     cases = [ParallelConfig(dp=dp, zero=z, precision=p) for p in ("bf16", "fp16", "pure-bf16") for z in (1, 2, 3)]
     ranks = minipar.launch(workers_dp.train_variants, dp, TINY, cases, STEPS, BATCH, timeout=120)
     for i, par in enumerate(cases):
         got, ref = ranks[0][i], references[par.precision]
         assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4, par.label
         assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 5e-3, par.label
-        shard = -(-TINY.num_params // dp) * 2  # bytes of a 16-bit shard (one flat buffer, stages 1, 2)
+        # bytes of a gradient shard (one flat buffer, stages 1, 2)
+        shard = -(-TINY.num_params // dp) * (2 if par.precision == "pure-bf16" else 4)
         if par.zero < 3:
             assert got.comm.items() >= {"reduce_scatter": STEPS * (dp - 1) * shard,
                                            "all_gather": STEPS * (dp - 1) * shard}.items()

@@ -41,9 +41,9 @@ def shard_bytes(sizes: list[int], n: int, rank: int) -> dict:
 def expected(cfg, stage: int, n: int, rank: int) -> dict:
     """Per-rank bytes and traffic a step by the formulas of zero.py's docstring, from the shapes alone."""
     model = minipar.GPT(cfg)
-    if stage < 3:
-        f = shard_bytes([p.numel() for p in model.parameters()], n, rank)
-        return {"params": f["full"], "grads": f["total"] if stage == 1 else f["shard"],
+    if stage < 3:  # the default bucket (25 MiB) holds this model: one flat buffer, backward's order
+        f = shard_bytes([p.numel() for p in model.parameters()][::-1], n, rank)
+        return {"params": f["full"], "grads": f["full"] if stage == 1 else f["shard"],
                 "optimizer": f["optimizer"], "reduce_scatter": (n - 1) * f["shard"],
                 "all_gather": (n - 1) * f["shard"]}
     units = [model.tok_emb, model.pos_emb, *model.blocks, model.ln_f, model.head]
@@ -81,7 +81,7 @@ def test_stage_3_really_frees_what_it_gathered():
     import torch
 
     from minipar.model import cross_entropy
-    from minipar.zero import Zero3
+    from minipar.zero3 import Zero3
     torch.manual_seed(0)
     model = minipar.GPT(ODD)
     zero = Zero3(model)  # one process: shards of one, the same gather and free

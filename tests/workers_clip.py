@@ -19,7 +19,8 @@ from minipar.model import GPT, cross_entropy
 from minipar.parallelize import make_optimizer, parallelize
 from minipar.pipeline.runtime import gather_stages
 from minipar.tensor_parallel import full_state_dict
-from minipar.zero import Zero3, ZeroOptimizer
+from minipar.zero import ZeroOptimizer
+from minipar.zero3 import Zero3
 
 EVAL_STEP = 1000  # the held-out batch: a step no run trains on
 WEIGHT_DECAY = 0.1

@@ -22,7 +22,7 @@ from minipar.data_parallel import DataParallelBucket, DataParallelNaive
 from minipar.model import GPT, MLP, GPTConfig, cross_entropy
 from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from minipar.train import make_optimizer, train_layouts
-from minipar.zero import Zero3
+from minipar.zero3 import Zero3
 
 
 def _device() -> torch.device:

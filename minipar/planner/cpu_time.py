@@ -106,7 +106,7 @@ def collective_calls(cfg, est) -> dict[str, int]:
                      all_gather=calls.get("all_gather", 0) + 1)
     elif par.dp > 1 and par.zero == 0:  # one all-reduce a bucket (a tensor when naive)
         psi = sum(memory.rank_units(cfg, par.tp, list(est.layers), par.pp, 0))
-        mine, per = range(0, chunks, par.pp), memory.layout_bytes(par.precision)
+        mine, per = range(0, chunks, par.pp), memory.layout_bytes(par.precision, par.reduce_fp32)
         tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
         calls["all_reduce"] = calls.get("all_reduce", 0) + _dp_messages(par, psi, tensors, per)[0]
     return {k: v for k, v in calls.items() if v}
@@ -264,7 +264,8 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
     shared, in seconds, the DP and optimizer time after it left out (what `viz_pipeline.gantt` draws
     beside a measured one)."""
     par, cpu, p = est.par, est.cluster.cpu, est.par.pp
-    per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
+    per = memory.layout_bytes(par.precision, par.reduce_fp32)
+    e = memory.element_bytes(par.precision)
     prof, actions, chunks, work, wait, latency = _pipeline(cfg, est, e)
     events = []
     span, spent = replay_shared(actions, chunks, work, wait, latency, par.dp * par.tp, cpu, events)

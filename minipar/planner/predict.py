@@ -185,7 +185,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
     shares = _proportional(dp * par.microbatches, rates, unit)
     capacity = [min(cluster.device(x).memory_per_gpu for x in ranks) for ranks in stage]
     # computed once for every sizing below: bytes a parameter, an activation, the schedule's actions
-    sizing = (attention == "materialized", memory.layout_bytes(par.precision),
+    sizing = (attention == "materialized", memory.layout_bytes(par.precision, par.reduce_fp32),
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, p, max(shares), par.virtual_stages))
     mem = stage_memory(cfg, par, micro_batch, layers, *sizing)
@@ -254,7 +254,8 @@ def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, tuple]:
     """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est` on
     its GPUs (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
-    per, e = memory.layout_bytes(par.precision), memory.element_bytes(par.precision)
+    per = memory.layout_bytes(par.precision, par.reduce_fp32)
+    e = memory.element_bytes(par.precision)
     replicas = {}
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
         key = (m, tuple(cluster.device(x).name for x in grid_ranks(par.dp, par.tp, p, dp_rank=j)))
