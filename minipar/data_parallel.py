@@ -100,11 +100,12 @@ class GradBuckets:
 
     buckets: lists of parameters (`buckets_of`); overlap: launch a bucket's collective as soon as
     its gradients are in (else all of them in `finish`); scatter: reduce-scatter (ZeRO: each rank
-    keeps `bucket.reduced`, its shard of the sum) instead of all-reduce; keep: the full buffers persist
-    between steps and accumulate through `no_sync` (DP, ZeRO-1) — else (ZeRO-2, overlapped) every
-    micro-batch's backward reduces its buckets into the shards and frees them, at most two full
-    buffers alive at once (the one filling and the one in flight: a new one waits for the older);
-    holders: whose .grad gets the reduced gradients (DP only; default the parameters themselves;
+    keeps `bucket.reduced`, its shard of the sum) instead of all-reduce; keep: the full buffers
+    persist between steps and accumulate through `no_sync` (DP, ZeRO-1) — else (ZeRO-2) they live
+    from their first gradient until reduced and, overlapped, every micro-batch's backward reduces
+    them into the shards, at most two alive at once (the one filling and the one in flight: a new
+    one waits for the older); holders: whose .grad gets the reduced gradients (DP only; default
+    the parameters themselves;
     the fp32 masters under mixed precision). stats: the CommStats that counts what it sends."""
 
     def __init__(self, params: list, buckets: list[list], group=None, *, dtype=None,

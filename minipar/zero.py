@@ -101,8 +101,8 @@ class Flat:
 class Shard:
     """What a rank keeps of one flat buffer: its shard of the parameters (in the compute dtype), of
     the gradients (fp32 by default under mixed precision, accumulated and reduced in fp32; or
-    16-bit, the ZeRO paper's accounting), the fp32 master copy of its parameter shard (mixed precision only)
-    and AdamW on it."""
+    16-bit, the ZeRO paper's accounting), the fp32 master copy of its parameter shard (mixed
+    precision only) and AdamW on it."""
 
     def __init__(self, layout: Flat, params: torch.Tensor, master: torch.Tensor | None, lr,
                  weight_decay, betas, grads: torch.Tensor | None = None):
