@@ -130,6 +130,9 @@ class GradBuckets:
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter s
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self.ops = comm.implementation(collectives, stats, self.scratch)
+        if collectives == "minipar" and self.size > 1:  # room for the largest, now: it never grows
+            largest = max(self.buckets, key=lambda b: b.numel)  # while the ring is using it
+            self.scratch.reserve(largest.numel, self.size, torch.empty(0, dtype=largest.dtype))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
             if collectives == "minipar" and self.size > 1 else None
         for b, bucket in enumerate(self.buckets):
@@ -199,7 +202,6 @@ class GradBuckets:
                              tensor.numel() * tensor.element_size())
                 bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
         else:
-            self.scratch.reserve(tensor.numel(), self.size, tensor)
             bucket.work = self._executor.submit(self._timed, what, tensor, bucket.output)
         self._launched.append(bucket)
 

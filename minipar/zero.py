@@ -114,7 +114,8 @@ class Shard:
     def update(self, loss_scale: float = 1.0, coefficient: float = 1.0) -> None:
         """AdamW on the shard (with fp32 gradients when there are masters), on the gradients
         unscaled and times `coefficient` (clipping's), then round into params."""
-        grads = self.grads.float()  # a transient fp32 copy of 16-bit gradients only
+        # with masters, fp32 gradients (a transient copy of 16-bit ones only)
+        grads = self.grads.float() if self.master is not None else self.grads
         if loss_scale != 1.0 or coefficient != 1.0:  # a power of 2 divides exactly
             grads.mul_(coefficient / loss_scale)  # in place: the shard is refilled every step
         for piece, a, b in self.pieces:

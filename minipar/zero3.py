@@ -138,7 +138,8 @@ class Zero3:
         # on the communication thread, after any gather queued before it: every collective of a
         # rank must run in one order, the same on all ranks; what it writes is allocated here
         out = torch.empty(unit.mine.params.numel(), dtype=unit.grad_dtype, device=grads.device)
-        self.scratch.reserve(grads.numel(), self.size, grads)
+        if not self.scratch.buffers:  # the first reduction of this backward: none in flight
+            self.scratch.reserve(max(u.full.numel() for u in self.units), self.size, grads)
         unit.reducing.append((self._comm.submit(reduce_shard, grads, self.group, self.ops, out),
                               out))
         self._free(i)

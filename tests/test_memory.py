@@ -86,7 +86,10 @@ def test_model_states_by_the_zero_formulas():
     mixed = memory.predict(ODD, ParallelConfig(dp=2, zero=3, precision="bf16"), BATCH)
     fp = memory.predict(ODD, ParallelConfig(dp=2, zero=3), BATCH)
     assert (mixed["params"], mixed["grads"], mixed["optimizer"]) == \
-           (fp["params"] // 2, fp["grads"] // 2, fp["optimizer"] * 3 // 2)
+           (fp["params"] // 2, fp["grads"], fp["optimizer"] * 3 // 2)  # fp32 gradients
+    half = memory.predict(ODD, ParallelConfig(dp=2, zero=3, precision="bf16", reduce_fp32=False),
+                          BATCH)
+    assert half["grads"] == fp["grads"] // 2  # the ZeRO paper's 16-bit gradients
     with pytest.raises(NotImplementedError):
         memory.predict(ODD, ParallelConfig(pp=2, zero=3), BATCH)
 

@@ -65,11 +65,11 @@ def test_zero_in_16_bits_matches_the_single_process_run(dp, references):
         got, ref = ranks[0][i], references[par.precision]
         assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4, par.label
         assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 5e-3, par.label
-        # bytes of a gradient shard (one flat buffer, stages 1, 2)
-        shard = -(-TINY.num_params // dp) * (2 if par.precision == "pure-bf16" else 4)
-        if par.zero < 3:
-            assert got.comm.items() >= {"reduce_scatter": STEPS * (dp - 1) * shard,
-                                           "all_gather": STEPS * (dp - 1) * shard}.items()
+        shard = -(-TINY.num_params // dp)  # elements of a shard (one flat buffer, stages 1, 2)
+        grad = 2 if par.precision == "pure-bf16" else 4  # gradients reduced in fp32
+        if par.zero < 3:  # parameters gathered in 16 bits
+            assert got.comm.items() >= {"reduce_scatter": STEPS * (dp - 1) * shard * grad,
+                                        "all_gather": STEPS * (dp - 1) * shard * 2}.items()
 
 
 def test_zero_fp16_overflow_skips_the_step_on_every_rank():
