@@ -127,6 +127,7 @@ class GradBuckets:
             if scatter:
                 bucket.reduced = torch.zeros(bucket.shard, dtype=bucket.dtype, device=device)
         self.sync, self._next, self._rounds, self._launched = True, 0, 0, []
+        self.tracker = None  # a minipar.tracker.Tracker watching the step: told what it allocates
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter s
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self.ops = comm.implementation(collectives, stats, self.scratch)
@@ -160,7 +161,7 @@ class GradBuckets:
             self._retire([bucket])
         if bucket.buffer is None:
             self._retire(self._launched[:-1])  # at most one bucket in flight beside this one
-            bucket.allocate()
+            self._allocate(bucket)
         piece = bucket.slice(i)
         if p.grad.data_ptr() != piece.data_ptr():  # else autograd added into the view already
             if bucket.stale:  # (a .grad left from the last step, not zeroed: PyTorch accumulates)
@@ -174,6 +175,11 @@ class GradBuckets:
                     self.buckets[self._next].arrived == len(self.buckets[self._next].params):
                 self._launch(self._next)
 
+    def _allocate(self, bucket: _Bucket) -> None:
+        bucket.allocate()
+        if self.tracker:  # a Tracker watches this step: a gradient buffer is born
+            self.tracker.declare("grads", bucket.buffer)
+
     def _launch(self, b: int) -> None:
         """Start bucket b's collective (on the communication thread for the ring). A round of
         launches ends with the last bucket; ZeRO-2's next micro-batch starts another."""
@@ -182,13 +188,15 @@ class GradBuckets:
             (b + 1, self._rounds)
         bucket.arrived = 0
         if bucket.buffer is None:  # no gradient arrived (ZeRO-2): zeros
-            bucket.allocate()
+            self._allocate(bucket)
         elif bucket.stale:  # none arrived since the last step
             bucket.buffer.zero_()
         what, tensor = f"bucket {b}", bucket.buffer
         if self.scatter:  # once a step into the shard; ZeRO-2's micro-batches add theirs to it
             bucket.output = bucket.reduced if self.keep else \
                 torch.empty(bucket.shard, dtype=bucket.dtype, device=bucket.device)
+            if self.tracker:  # a Tracker watches this step
+                self.tracker.declare("comm", bucket.output)
         if self.size == 1:
             bucket.work = None
             if self.scatter:

@@ -24,6 +24,7 @@ import torch
 from minipar.activations import ActivationMeter  # noqa: F401  (memory.ActivationMeter, measured)
 from minipar.comm import receive_numel
 from minipar.data_parallel import split
+from minipar.mesh import Mesh
 from minipar.pipeline.runtime import partition
 from minipar.pipeline.schedules import cached_schedule
 
@@ -359,3 +360,13 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
             peak = max(peak, current)
         peaks.append(peak)
     return peaks
+
+
+def predict_ranks(cfg, par, global_batch: int) -> list[dict] | None:
+    """`predict` for every rank of the layout (ZeRO's shard is the rank's place in its DP group),
+    in rank order; None where the model does not cover the layout (ZeRO-3 with tp or pp)."""
+    grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
+    try:
+        return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]
+    except NotImplementedError:
+        return None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipar import checkpoint
+from minipar import checkpoint, memory
 from minipar.clip import ClipGradNorm
 from minipar.comm import CommStats
 from minipar.config import ParallelConfig
@@ -83,6 +83,37 @@ class Parallel:
             sync_sequence_parallel_grads(grads, sp)
         self.mp.step(self.optimizer, clip=clip)
         return clip.norm if clip else None
+
+    def memory_tensors(self) -> dict[str, list]:
+        """The tensors this rank holds now, by category: params, grads, optimizer (fp32 masters,
+        moments, step counters), comm (buffers) — what a minipar.tracker.Tracker knows at entry."""
+        opt = self.optimizer
+        if isinstance(opt, (ZeroOptimizer, Zero3)):
+            return {"params": list(opt.param_tensors()), "grads": list(opt.grad_tensors()),
+                    "optimizer": list(opt.state_tensors()), "comm": list(opt.comm_tensors())}
+        return {"params": self.mp.param_tensors(),
+                "grads": self.dp.buffers() if self.dp else self.mp.grad_tensors(),
+                "optimizer": [*self.mp.master_tensors(), *memory.optimizer_tensors(opt)],
+                "comm": list(self.dp.scratch.buffers.values()) if self.dp else []}
+
+    def tally(self) -> dict[str, int]:
+        """This rank's model states and buffers now, {category: bytes} (activations 0): the
+        tally after a step that memory.predict predicts."""
+        opt = self.optimizer
+        if isinstance(opt, (ZeroOptimizer, Zero3)):
+            return memory.measure(opt.param_tensors(), opt.grad_tensors(), opt.state_tensors(),
+                                  comm=opt.comm_bytes)
+        states = self.mp.measure(opt)
+        if self.dp:  # the gradients are its buffers (the .grad are views of them)
+            states["grads"] = memory.tensor_bytes(self.dp.buffers())
+        return {**states, "activations": 0, "comm": self.dp.comm_buffer_bytes if self.dp else 0}
+
+    def track(self, tracker) -> None:
+        """Have what allocates during a step (gradient buckets, ZeRO-3's units, fp32 copies of
+        16-bit gradients) declare it to `tracker` (a minipar.tracker.Tracker; None: stop)."""
+        for owner in (self.dp, self.optimizer, self.mp):
+            if hasattr(owner, "tracker"):
+                owner.tracker = tracker
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every optimizer this rank steps, from the next step on (AdamW's

@@ -124,6 +124,7 @@ class MixedPrecision:
         else:
             self.scaler = scaler or LossScaler(init_scale, growth_interval=growth_interval)
         self.grad_bytes = 0  # bytes of the model's grads at the last grads_to_master (their peak)
+        self.tracker = None  # a minipar.tracker.Tracker watching the step: told what it allocates
 
     def autocast(self):
         """The forward's context: torch.autocast in the 16-bit dtype (ops autocast keeps in fp32
@@ -153,6 +154,8 @@ class MixedPrecision:
             if p.grad is not None:  # else the master's grad is there already: DP's fp32 buckets
                 m.grad = p.grad.float()  # an fp32 copy
                 p.grad = None
+                if self.tracker:  # a Tracker watches this step
+                    self.tracker.declare("grads", m.grad)
         grads = [m.grad for m in self.master if m.grad is not None]
         if reduce:
             reduce(grads)

@@ -33,11 +33,13 @@ def microbatches(t: torch.Tensor, rows, par, device) -> list[torch.Tensor]:
             for mb in range(par.microbatches)]
 
 
-def forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_compute):
+def forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_compute,
+                     phase=None):
     """Forward and backward of this rank's micro-batches of (x, y); returns (the loss summed over
-    them, the pipeline's (action, start, end) events of the step, or None). rows: `rows`."""
+    them, the pipeline's (action, start, end) events of the step, or None). rows: `rows`;
+    phase(name): a context that labels what runs inside (a Tracker's), pipelines aside."""
     if not run.pipe:
-        return accumulate(run, x, y, par, rows, device, meter, after_compute), None
+        return accumulate(run, x, y, par, rows, device, meter, after_compute, phase), None
     weight = rows[2]
     batches = [microbatches(t, rows, par, device) for t in (x, y)]
     with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
@@ -46,20 +48,21 @@ def forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_
     return sum_over(loss_sum, mesh.pp_group), events  # the last stage has it, the others 0
 
 
-def accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None) -> float:
-    """Forward and backward of this rank's micro-batches one after
-    the other; returns the summed loss.
-    rows: `rows`; the backward runs on loss * weight (see `rows`)."""
-    weight = rows[2]
+def accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None,
+               phase=None) -> float:
+    """Forward and backward of this rank's micro-batches one after the other; returns the summed
+    loss. rows: `rows`; the backward runs on loss * weight (see `rows`); phase: as
+    forward_backward's."""
+    weight, phase = rows[2], phase or (lambda name: contextlib.nullcontext())
     mp, dp, loss_sum = run.mp, run.dp, 0.0
     for mb, (xb, yb) in enumerate(zip(microbatches(x, rows, par, device),
                                       microbatches(y, rows, par, device))):
         last = mb == par.microbatches - 1
         t0 = time.perf_counter()
-        with meter, mp.autocast():
+        with meter, mp.autocast(), phase("forward"):
             loss = run.loss_fn(run.model(xb), yb) / par.microbatches
         t1 = time.perf_counter()
-        with dp.no_sync() if dp and not last else contextlib.nullcontext():
+        with dp.no_sync() if dp and not last else contextlib.nullcontext(), phase("backward"):
             mp.scale(loss * weight if weight != 1.0 else loss).backward()
         meter.release()
         if after_compute:

@@ -42,16 +42,15 @@ declared; what an inner saved_tensors_hooks hides (ActivationMeter's; torch.util
 whose recomputed tensors count as temporaries). Devices are summed. On a GPU `cuda_max_allocated`
 reads more than `peak_total`: blocks rounded up to 512 bytes, cuBLAS's workspace, kernel scratch.
 
-Threads. Dispatch modes and saved-tensor hooks are thread-local: the thread that enters (minipar's
-training loop, the main thread) is watched, and autograd's backward threads (CUDA's), which inherit
-its thread-local state; no other. So minipar's communication threads must allocate nothing: their
-outputs and receive space are allocated on the main thread before the work is handed over. Deaths
-and resizes are seen on every thread.
+Threads. Dispatch modes and saved-tensor hooks are thread-local: the thread that enters is watched
+(and autograd's CUDA backward threads, which inherit its state), no other; so minipar's
+communication threads allocate nothing (outputs and receive space are made first, on the main
+thread). Deaths and resizes are seen on every thread.
 
-Costs. A Python call per op, a look-up per output, a registration per new storage. A step (forward,
-backward, AdamW) of a tiny GPT (2 layers, h = 32, s = 16, batch 8) takes ~5x as long on CPU: 25 ms
-against 5 ms, one thread (an empty dispatch mode alone: 14 ms); of 4 layers, h = 256, s = 128, whose
-ops are longer, ~1.1x. Memory: some 200 bytes a live storage. Meant for one step of a run, not all.
+Costs. A Python call per op, a look-up per output, a registration per new storage: a step of a
+tiny GPT (2 layers, h = 32, s = 16, batch 8) ~5x as long on CPU (25 ms against 5, one thread; an
+empty dispatch mode alone 14 ms), of 4 layers, h = 256, s = 128 ~1.1x; ~200 bytes a live storage.
+Meant for one step of a run (minipar.train watches its second), not all.
 """
 from __future__ import annotations
 
@@ -394,3 +393,4 @@ class Tracker:
 def _check(category: str) -> None:
     if category in OWN:
         raise ValueError(f"{category!r} is decided by the tracker; declare another category")
+

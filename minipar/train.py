@@ -20,6 +20,7 @@ JSON-lines file and TensorBoard if asked (metrics.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from minipar import checkpoint, comm, hardware, memory, preflight, share
 from minipar import data as dataset
+from minipar.activations import Unmetered
 from minipar.config import ParallelConfig
 from minipar.launch import heartbeat, launch, pick_backend, torchrun_rank
 from minipar.metrics import MetricsLog, ProgressBar, StepClock, check_tensorboard, max_memory_mib
@@ -41,7 +43,7 @@ from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F
 from minipar.pipeline.runtime import gather_stages
 from minipar.precision import DTYPES
 from minipar.tensor_parallel import full_state_dict
-from minipar.zero import ZeroOptimizer
+from minipar.tracker import Tracker
 from minipar.zero3 import Zero3
 
 
@@ -66,6 +68,11 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)  # each step's, before clipping (if clip)
     peak: hardware.Peak | None = None   # MFU's denominator (per device) and where it comes from
     data: dataset.Dataset | None = field(default=None, repr=False)  # what it trained on: decode
+    # by rank, over one whole step (the second), from tensor lifetimes (minipar.tracker): {"held":
+    # {category: bytes} when model states, buffers and activations were most, "total": when all
+    # were, autograd's and the optimizer's "temporaries" too; each with its "phase"}
+    step_peak: list[dict] = field(default_factory=list)
+    memory_timelines: list[list] = field(default_factory=list, repr=False)  # Tracker.timeline
 
     def summary(self) -> str:
         fullest = max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory)
@@ -92,6 +99,8 @@ class RankResult:
     val_losses: list[tuple] = field(default_factory=list)  # (step, global mean held-out loss)
     grad_norms: list[float] = field(default_factory=list)  # before clipping, when clip > 0
     stopped: int = 0                    # the step whose loss was not finite (0: none)
+    step_memory: dict = field(default_factory=dict)  # the tracked step's peaks (`_peaks`)
+    timeline: list = field(default_factory=list, repr=False)  # its Tracker.timeline
     par: ParallelConfig | None = field(default=None, repr=False)
 
 
@@ -227,7 +236,8 @@ def _merge(ranks: list[RankResult], cfg, global_batch: int, peak, peak_flops: fl
         peak_memory=[r.memory for r in ranks], comm_bytes=[r.comm for r in ranks],
         comm_calls=[r.calls for r in ranks], spans=[r.spans for r in ranks],
         val_losses=first.val_losses, grad_norms=first.grad_norms, state_dict=first.state_dict,
-        predicted_memory=_predicted(cfg, first.par, global_batch))
+        predicted_memory=memory.predict_ranks(cfg, first.par, global_batch),
+        step_peak=[r.step_memory for r in ranks], memory_timelines=[r.timeline for r in ranks])
 
 
 def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch: int,
@@ -270,17 +280,26 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
             run.set_lr(rate)
         # the batch: this step's global batch, the same for every layout
         x, y = dataset.global_batch(data, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
-        # forward and backward of this rank's micro-batches (with pp > 1 in the schedule's order)
-        loss, spans = share.forward_backward(run, par, mesh, x, y, rows, device, meter,
-                                             after_compute)
-        # gradient sync, clipping and the optimizer step, before any other collective (ZeRO-3 may
-        # be reducing)
-        norm = run.sync_and_step(clip)
+        # one step, the second (steady: the optimizer's state exists), is watched by a Tracker
+        tracker = Tracker(run.memory_tensors()) if step == min(first + 1, steps - 1) else None
+        run.track(tracker)
+        with tracker or contextlib.nullcontext():
+            # forward and backward of this rank's micro-batches (pp > 1: in the schedule's order)
+            loss, spans = share.forward_backward(run, par, mesh, x, y, rows, device,
+                                                 Unmetered() if tracker else meter, after_compute,
+                                                 tracker and tracker.phase)
+            # gradient sync, clipping and the optimizer step, before any other collective (ZeRO-3
+            # may be reducing)
+            with tracker.phase("step") if tracker else contextlib.nullcontext():
+                norm = run.sync_and_step(clip)
+        if tracker:
+            run.track(None)
+            out.step_memory, out.timeline = _peaks(tracker), tracker.timeline
         # metrics: the global mean loss; memory at the first step (grads held, optimizer state new)
         if par.dp > 1:
             loss = share.sum_over(loss * rows[2], mesh.dp_group) / par.dp
         if step == first:
-            out.memory = _measure(run)
+            out.memory = run.tally()
         run.optimizer.zero_grad()
         out.step_times.append(clock.stop())
         out.losses.append(loss)
@@ -369,25 +388,8 @@ def _final_weights(run: Parallel, mesh) -> dict:
     return {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}
 
 
-def _predicted(cfg, par, global_batch) -> list[dict] | None:
-    """memory.predict for every rank, where the model covers the layout
-    (all but ZeRO-3 with tp or pp)."""
-    grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
-    try:  # ZeRO's shard is the rank's place in its DP group
-        return [memory.predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank)
-                for c in grid]
-    except NotImplementedError:
-        return None
-
-
-def _measure(run: Parallel) -> dict[str, int]:
-    """This rank's persistent memory by category (activations are filled in at the end)."""
-    optimizer = run.optimizer
-    if isinstance(optimizer, (ZeroOptimizer, Zero3)):
-        return memory.measure(optimizer.param_tensors(), optimizer.grad_tensors(),
-                              optimizer.state_tensors(),
-                              comm=optimizer.comm_bytes)
-    states = run.mp.measure(optimizer)
-    if run.dp:  # the gradients are its buffers (the .grad are views of them)
-        states["grads"] = memory.tensor_bytes(run.dp.buffers())
-    return {**states, "activations": 0, "comm": run.dp.comm_buffer_bytes if run.dp else 0}
+def _peaks(tracker: Tracker) -> dict[str, dict]:
+    """The tracked step's peaks: {"held": by category at the most model states, buffers and
+    activations, "total": at the most of everything, temporaries too}."""
+    return {"held": {**tracker.peak, "phase": tracker.peak_phase},
+            "total": {**tracker.peak_total, "phase": tracker.peak_total_phase}}

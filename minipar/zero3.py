@@ -78,6 +78,7 @@ class Zero3:
                       for m in modules if any(p.requires_grad for p in m.parameters())]
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
+        self.tracker = None  # a minipar.tracker.Tracker watching the step: told what it allocates
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -132,7 +133,7 @@ class Zero3:
         if unit.grads_in < len(unit.params):
             return
         unit.grads_in = 0
-        grads = unit.layout.flatten((p.grad for p in unit.params), unit.mine.grads.dtype)
+        grads = unit.layout.flatten((p.grad for p in unit.params), unit.grad_dtype)
         for p in unit.params:
             p.grad = None
         # on the communication thread, after any gather queued before it: every collective of a
@@ -140,6 +141,11 @@ class Zero3:
         out = torch.empty(unit.mine.params.numel(), dtype=unit.grad_dtype, device=grads.device)
         if not self.scratch.buffers:  # the first reduction of this backward: none in flight
             self.scratch.reserve(max(u.full.numel() for u in self.units), self.size, grads)
+            if self.tracker:  # a Tracker watches this step
+                self.tracker.declare("comm", *self.scratch.buffers.values())
+        if self.tracker:  # a Tracker watches this step
+            self.tracker.declare("grads", grads)
+            self.tracker.declare("comm", out)
         unit.reducing.append((self._comm.submit(reduce_shard, grads, self.group, self.ops, out),
                               out))
         self._free(i)
@@ -151,6 +157,8 @@ class Zero3:
         for unit in self.units:
             grads = torch.zeros(unit.mine.params.numel(), dtype=unit.grad_dtype,
                                 device=unit.mine.params.device)
+            if self.tracker:  # a Tracker watches this step
+                self.tracker.declare("grads", grads)
             for work, out in unit.reducing:  # one per micro-batch, added up in the gradient dtype
                 work.result()
                 grads.add_(out)
@@ -185,6 +193,10 @@ class Zero3:
 
     def grad_tensors(self):
         return [u.mine.grads for u in self.units]
+
+    def comm_tensors(self):
+        """The units' full buffers (empty but while gathered) and the ring's receive space."""
+        return [u.full for u in self.units] + list(self.scratch.buffers.values())
 
     def param_tensors(self):
         return [u.mine.params for u in self.units]
