@@ -5,7 +5,7 @@ import workers_dp
 from reference import assert_same_training
 
 import minipar
-from minipar import GPTConfig, ParallelConfig
+from minipar import GPTConfig, ParallelConfig, memory
 
 ODD = GPTConfig.preset("tiny", vocab_size=97)  # 216,353 parameters: padding at dp = 2, 3 and 4
 STEPS, BATCH = 3, 12
@@ -95,3 +95,29 @@ def test_stage_3_really_frees_what_it_gathered():
     zero.zero_grad()
     assert sum(g.numel() for g in zero.grad_tensors()) == 0
     assert 0 < zero.peak_gathered_bytes <= 2 * max(u.full.numel() * 4 for u in zero.units)
+
+
+def test_the_step_peak_shows_what_each_stage_saves():
+    """Measured over a whole step (minipar.tracker), not after it: bucketed ZeRO-2 frees each full
+    gradient bucket once reduced, so its peak is below ZeRO-1's by at least the paper's gradient term
+    (1 - 1/N) G; the simple version (one flat reduce-scatter after backward) holds the full gradient
+    through backward and saves nothing at its peak. The persistent states at the peak are the tally's,
+    and the activations there memory.predict's, to the byte."""
+    n, small = 2, 0.1  # MiB buckets: several of them
+    cases = {(z, mode): ParallelConfig(dp=n, zero=z, dp_mode=mode,
+                                       **({"bucket_mb": small} if mode == "bucketed" else {}))
+             for z in (1, 2) for mode in ("naive", "bucketed")}
+    ranks = minipar.launch(workers_dp.train_variants, n, ODD, list(cases.values()), 3, BATCH,
+                           timeout=120)
+    held = {}
+    for key, res in zip(cases, ranks[0]):
+        peak, tally = res.step_memory["held"], res.memory
+        held[key] = sum(v for c, v in peak.items() if c not in ("temporaries", "phase"))
+        assert (peak["params"], peak["optimizer"]) == (tally["params"], tally["optimizer"]), key
+        predicted = memory.predict(ODD, cases[key], BATCH)
+        if peak["phase"] == "forward":  # the peak at the end of forward: every activation alive
+            assert peak["activations"] == predicted["activations"], key
+    G = ranks[0][0].memory["grads"]  # ZeRO-1's full gradient, fp32, padded
+    assert held[2, "bucketed"] <= held[1, "bucketed"] - (1 - 1 / n) * G
+    assert held[2, "naive"] >= held[1, "naive"] - G / n  # no saving at the peak
+    assert ranks[0][3].step_memory["held"]["grads"] < G  # a bucket in flight, not the full gradient
