@@ -241,7 +241,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
                  | p Psi_pad/N (3)
       grads      g Psi (0: the buckets are the .grad) | g Psi_pad (1: the full buffers) |
                  g Psi_pad/N (2, 3)
-      optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3)
+      optimizer  k Psi (0) | k times the real (not padding) elements of the rank's shard (1, 2, 3),
+                 but for the fp32 master shard of mixed precision, 4 bytes a padding element too
       activations  `activations(cfg, b)`, b = global_batch / (dp * microbatches) (with dp_shares:
                  this rank's share / microbatches), e = 4 in fp32 and 2 in 16-bit (a model held in
                  16 bits, as precision.MixedPrecision makes it); with pp > 1 the schedule's peak
@@ -280,12 +281,16 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
     n, stage, psi, g = par.dp, par.zero, sum(sizes), per["grads"]
     ring = n > 1 and par.collectives == "minipar"  # the ring's receive space: the largest bucket
     scratch = lambda numel: g * receive_numel(numel, n) if ring else 0  # noqa: E731
+    # a sharded optimizer: the fp32 master shard (mixed precision) has the padding too, the
+    # moments only the real elements
+    master = 4 if par.precision in ("bf16", "fp16") else 0
+    optimizer = lambda shard, owned: master * shard + (per["optimizer"] - master) * owned  # noqa
     if stage == 3:  # a unit and the next one, prefetched, gathered at once (the scratch is freed)
         shards = [flat_shard(size, n, dp_rank) for size in sizes]
         full = [n * s for s, _ in shards]
         shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
         return {"params": per["params"] * shard, "grads": g * shard,
-                "optimizer": per["optimizer"] * owned,
+                "optimizer": optimizer(shard, owned),
                 "comm": per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)}
     params = params or [psi]
     naive = par.dp_mode == "naive"
@@ -300,7 +305,7 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
     # stage 1 keeps the full gradient buffers and its reduce-scatter's output shards; stage 2 the
     # shards as its gradients (the full buffers are freed once reduced)
     return {"params": per["params"] * n * shard, "grads": g * (n * shard if stage == 1 else shard),
-            "optimizer": per["optimizer"] * owned,
+            "optimizer": optimizer(shard, owned),
             "comm": g * shard * (stage == 1) + scratch(max(n * s for s, _ in shards))}
 
 
