@@ -68,7 +68,8 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)  # each step's, before clipping (if clip)
     peak: hardware.Peak | None = None   # MFU's denominator (per device) and where it comes from
     data: dataset.Dataset | None = field(default=None, repr=False)  # what it trained on: decode
-    # by rank, over one whole step (the second), from tensor lifetimes (minipar.tracker): {"held":
+    # by rank, over one whole step (the second: the first runs forward before AdamW's moments
+    # exist), from tensor lifetimes (minipar.tracker): {"held":
     # {category: bytes} when model states, buffers and activations were most, "total": when all
     # were, autograd's and the optimizer's "temporaries" too; each with its "phase"}
     step_peak: list[dict] = field(default_factory=list)
@@ -292,6 +293,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
             # may be reducing)
             with tracker.phase("step") if tracker else contextlib.nullcontext():
                 norm = run.sync_and_step(clip)
+                if tracker:  # a first step makes AdamW's moments: they are optimizer state
+                    tracker.declare("optimizer", *run.memory_tensors()["optimizer"])
         if tracker:
             run.track(None)
             out.step_memory, out.timeline = _peaks(tracker), tracker.timeline
