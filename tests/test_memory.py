@@ -106,3 +106,25 @@ def test_zero_table_reproduces_the_paper(n_d):
     for stage, paper in zip((1, 2, 3), PAPER[n_d]):   # to the paper's last digit, rounding half up
         last = 10.0 ** -len(f"{paper}".partition(".")[2].rstrip("0") or "")
         assert paper - last / 2 <= table[stage] < paper + last / 2, (n_d, stage, table[stage])
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_the_step_peak_is_predicted_to_the_byte(dp):
+    """The most a rank holds over a whole step (measured from tensor lifetimes, minipar.tracker:
+    model states, gradient buffers, communication buffers and activations; autograd's temporaries
+    aside) equals step_memory.predict_peak, moment and bytes, for ZeRO 0-2, both DP modes,
+    fp32 and bf16 (fp32 or 16-bit gradients), with and without accumulation."""
+    from minipar.step_memory import predict_peak
+    cases = [ParallelConfig(dp=dp, zero=z, dp_mode=mode, precision=p, reduce_fp32=fp32_grads,
+                            microbatches=m)
+             for p, fp32_grads in (("fp32", True), ("bf16", True), ("bf16", False))
+             for z in (0, 1, 2) for mode in ("naive", "bucketed") for m in (1, 2)]
+    ranks = minipar.launch(workers_dp.train_variants, dp, ODD, cases, 2, BATCH, timeout=300)
+    phases = set()
+    for i, par in enumerate(cases):
+        for r in range(dp):
+            got = ranks[r][i].step_memory["held"]
+            want = predict_peak(ODD, par, BATCH, rank=r)
+            assert {c: got[c] for c in want} == want, (par.label, r)
+            phases.add(want["phase"])
+    assert phases == {"forward", "backward"}  # ZeRO-2 naive, one micro-batch: at its first gradient
