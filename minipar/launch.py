@@ -17,11 +17,18 @@ Notebooks, scripts and tests call it, so it takes care of what makes multi-proce
   `if __name__ == "__main__":`, or launches a function defined inside that block, gets a
   ValueError before any process starts (it would otherwise die in every worker, silently);
 - cleanup: no process outlives the call, and a worker whose caller dies exits on its own;
+- exit: a rank whose fn returned waits, on the caller's store, until every rank's fn has returned
+  before it exits. gloo connects ranks pair by pair inside init_process_group and new_group, and
+  a rank's side of a pair can be done before its peer's: one that left then (its fn did no
+  collective) failed a slower peer still connecting ("Gloo connectFullMesh failed ... Connection
+  closed by peer"; 1 launch in 200 of 2 ranks on a busy 2-core machine). A rank that raised does
+  not wait: the caller stops the others;
 - torchrun: when RANK and WORLD_SIZE are set, this process is already one rank of a job, so it
   joins that job, runs fn once, and returns every rank's result (gathered as objects).
 
-Workers are started by a forkserver that has imported torch once, so a launch costs a fork rather
-than a fresh interpreter (spawn: ~1 s a rank on a 2-core machine).
+Workers are started by a forkserver that has imported torch once (and torch._dynamo, which the
+first optimizer imports), so a launch costs a fork rather than a fresh interpreter (spawn: ~1 s a
+rank on a 2-core machine) and a worker's first training step imports nothing more of note.
 """
 from __future__ import annotations
 
@@ -132,9 +139,16 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
 
 def _forkserver():
     """multiprocessing's forkserver context (it keeps the one server a process has), told to preload
-    torch: every launch after the first forks from a server that has imported it once."""
+    what a worker imports: every launch after the first forks from a server that has imported it.
+
+    torch._dynamo too: the first torch.optim optimizer a process builds imports it (about 800
+    modules, sympy among them; 2 s of CPU a rank on a 2-core machine), and every training worker
+    builds one. With it, a worker's first training step imports nothing the server lacks but two
+    modules of a few ms (einops' torch backend, torch.profiler's CUPTI check). minipar.launch
+    imports the minipar package, so train, parallelize and the rest are preloaded with it."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "minipar.launch"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    "minipar.launch"])
     return context
 
 
@@ -293,8 +307,24 @@ def _worker(fn, args, kwargs, rank, world_size, backend, port, timeout, threads,
     except Exception:
         result_w.send_bytes(pickle.dumps(("error", traceback.format_exc(), time.time())))
     if message[0] == "ok":
+        _wait_for_every_rank(store, rank, world_size)
         dist.destroy_process_group()
     os._exit(0 if message[0] == "ok" else 1)
+
+
+def _wait_for_every_rank(store, rank: int, world_size: int) -> None:
+    """Say on the store that this rank's fn returned, and wait until every rank's has (at most the
+    store's timeout, launch's `timeout`). A barrier on the store rather than the process group: it
+    needs no healthy connection, and with NCCL it creates no communicator.
+
+    Until every fn has returned, a peer may still be completing a connection to this rank (see the
+    module docstring); once it has, every connection has been made. A rank that raised never comes:
+    the caller stops this one when it reports."""
+    store.set(f"minipar/returned/{rank}", b"1")
+    try:
+        store.wait([f"minipar/returned/{r}" for r in range(world_size)])
+    except dist.DistError:  # timed out (a rank ran on for `timeout` s), or the caller is gone
+        pass
 
 
 def _exit_with_caller(caller: int) -> None:

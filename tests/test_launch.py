@@ -53,6 +53,28 @@ def test_gloo_on_cpu_and_threads_shared_between_ranks():
     assert {t for _, t in results} == {max(1, (os.cpu_count() or 1) // 4)}
 
 
+def test_ranks_that_do_no_collective_launch_on_a_busy_machine():
+    """A rank whose fn does no collective returns at once: it must not exit while a slower rank is
+    still connecting to it. Without the wait for every rank before exit, 2 ranks on a 2-core
+    machine with 2 spinning processes per core failed 7 to 13 of these 80 launches (three runs, the
+    machine busy otherwise too; 7 of 200 in bench/launch_stress.py --load 4); here none may. They
+    take 15-20 s on a 2-core machine doing nothing else, 50-70 s when other jobs share it."""
+    load, launches = 2 * (os.cpu_count() or 1), 80
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    failures = []
+    try:
+        for _ in range(launches):
+            try:
+                minipar.launch(minipar.demos.hello, 2, on_line=lambda rank, line: True)
+            except minipar.WorkerError as err:
+                failures.append(str(err)[-500:])
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert not failures, f"{len(failures)} of {launches} launches failed, the first: {failures[0]}"
+
+
 def test_a_raising_rank_stops_the_job_with_its_traceback(tmp_path):
     start = time.monotonic()
     with pytest.raises(minipar.WorkerError) as err:
