@@ -94,3 +94,20 @@ def test_reducing_16_bit_gradients_halves_the_bytes(precision, references):
         assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 2e-3
     with pytest.raises(ValueError, match="reduce_fp32=False needs precision"):
         ParallelConfig(reduce_fp32=False)
+
+
+def test_16_bit_data_parallelism_buckets_and_overlaps_like_fp32():
+    """bf16 and fp16 under DP take dp_mode and bucket_mb as fp32 does (they were ignored: one
+    all-reduce per master gradient after backward, and no timeline): the same buckets, launched
+    during backward, in fp32 bytes."""
+    cases = [ParallelConfig(dp=2, precision=p, **mode) for p in ("fp32", "bf16", "fp16")
+             for mode in ({"bucket_mb": 0.1}, {"dp_mode": "naive"})]
+    ranks = minipar.launch(workers_dp.train_variants, 2, TINY, cases, 2, 4, timeout=120)
+    calls = [r.calls["all_reduce"] for r in ranks[0]]
+    tensors = len(list(minipar.GPT(TINY).parameters()))
+    assert calls[::2] == [calls[0]] * 3 and 2 < calls[0] < 2 * tensors  # buckets, every precision
+    assert calls[1::2] == [2 * tensors] * 3  # naive: one a parameter
+    for res in ranks[0][::2]:
+        buckets = [s for s in res.spans if s[0].startswith("bucket")]
+        backward = [s for s in res.spans if s[0] == "backward"]
+        assert buckets and min(b[1] for b in buckets) < backward[-1][2]  # one began in backward
