@@ -146,24 +146,25 @@ class Zero3:
         if self.tracker:  # a Tracker watches this step
             self.tracker.declare("grads", grads)
             self.tracker.declare("comm", out)
-        unit.reducing.append((self._comm.submit(reduce_shard, grads, self.group, self.ops, out),
-                              out))
+        if not unit.mine.grads.numel():  # the step's first: between steps a rank holds none
+            unit.mine.grads = torch.zeros_like(out)
+            if self.tracker:
+                self.tracker.declare("grads", unit.mine.grads)
+        unit.reducing.append(self._comm.submit(_reduce_into, unit.mine.grads, grads, self.group,
+                                               self.ops, out))
         self._free(i)
 
     # ------------------------------------------------------------------------- optimizer interface
 
     def step(self, clip=None, sp=None) -> None:
         """Wait for the reduced gradient shards and update them (sp: unused, ZeRO-3 refuses SP)."""
-        for unit in self.units:
-            grads = torch.zeros(unit.mine.params.numel(), dtype=unit.grad_dtype,
-                                device=unit.mine.params.device)
-            if self.tracker:  # a Tracker watches this step
-                self.tracker.declare("grads", grads)
-            for work, out in unit.reducing:  # one per micro-batch, added up in the gradient dtype
+        for unit in self.units:  # every micro-batch's reduced shard, added in the gradient dtype
+            for work in unit.reducing:
                 work.result()
-                grads.add_(out)
             unit.reducing.clear()
-            unit.mine.grads = grads.div_(self.size)
+            if not unit.mine.grads.numel():  # no gradient reached it
+                unit.mine.grads = torch.zeros_like(unit.mine.params, dtype=unit.grad_dtype)
+            unit.mine.grads.div_(self.size)
         self._comm.submit(self.scratch.release).result()  # free it, until the next backward
         scale = self.scaler.scale if self.scaler else 1.0
         overflow = overflowed([u.mine for u in self.units], self.scaler, self.group, self.stats)
@@ -208,3 +209,9 @@ class Zero3:
 
     def close(self) -> None:
         self._comm.shutdown()
+
+
+def _reduce_into(shard: torch.Tensor, grads: torch.Tensor, group, ops, out: torch.Tensor) -> None:
+    """On the communication thread: reduce-scatter `grads` into `out` and add it to `shard` (both
+    allocated by the caller); `out` and `grads` are freed as the job ends."""
+    shard.add_(reduce_shard(grads, group, ops, out))
