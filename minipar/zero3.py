@@ -45,8 +45,8 @@ class _Unit:
         self.full = self.mine.params.new_empty(self.mine.params.numel() * n)
         self.layout.point_params_at(self.full)
         self.gathering, self.gathered = None, True  # the future of an all-gather in flight
-        # parameters whose gradient has arrived in this backward; their reduce-scatters in flight
-        self.grads_in, self.reducing = 0, []
+        # parameters whose gradient has arrived in this backward
+        self.grads_in = 0
         self.free()
 
     def free(self) -> None:
@@ -79,6 +79,7 @@ class Zero3:
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
         self.tracker = None  # a minipar.tracker.Tracker watching the step: told what it allocates
+        self._pending = []  # reductions in flight: (work, the unit's full gradients, the landing)
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -150,18 +151,24 @@ class Zero3:
             unit.mine.grads = torch.zeros_like(out)
             if self.tracker:
                 self.tracker.declare("grads", unit.mine.grads)
-        unit.reducing.append(self._comm.submit(_reduce_into, unit.mine.grads, grads, self.group,
-                                               self.ops, out))
+        # at most one reduction in flight beside this one, its buffers freed here when it is done
+        # (not whenever the communication thread finishes): what a rank holds is deterministic
+        self._retire(self._pending[:-1])
+        self._pending.append((self._comm.submit(_reduce_into, unit.mine.grads, grads, self.group,
+                                                self.ops, out), grads, out))
         self._free(i)
+
+    def _retire(self, pending: list) -> None:
+        for entry in pending:
+            entry[0].result()
+            self._pending.remove(entry)
 
     # ------------------------------------------------------------------------- optimizer interface
 
     def step(self, clip=None, sp=None) -> None:
         """Wait for the reduced gradient shards and update them (sp: unused, ZeRO-3 refuses SP)."""
-        for unit in self.units:  # every micro-batch's reduced shard, added in the gradient dtype
-            for work in unit.reducing:
-                work.result()
-            unit.reducing.clear()
+        self._retire(list(self._pending))  # every micro-batch's reduced shards are added in
+        for unit in self.units:
             if not unit.mine.grads.numel():  # no gradient reached it
                 unit.mine.grads = torch.zeros_like(unit.mine.params, dtype=unit.grad_dtype)
             unit.mine.grads.div_(self.size)
