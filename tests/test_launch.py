@@ -247,3 +247,10 @@ def test_in_ipython_a_session_function_is_refused_and_a_module_one_passes():
                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent)
     assert "MODULE OK" in out.stdout
     assert "fn 'work' is defined in a notebook or REPL" in out.stdout + out.stderr
+
+
+def test_the_first_optimizer_imports_nothing_the_forkserver_lacks():
+    """A worker's first AdamW imported torch._dynamo (about 800 modules, ~1 s of CPU a rank) until
+    the forkserver preloaded it."""
+    for new in minipar.launch(w.first_optimizer_imports, 2, timeout=60):
+        assert not [m for m in new if m.startswith(("torch._dynamo", "sympy"))], new[:10]

@@ -121,3 +121,26 @@ def test_the_step_peak_shows_what_each_stage_saves():
     assert held[2, "bucketed"] <= held[1, "bucketed"] - (1 - 1 / n) * G
     assert held[2, "naive"] >= held[1, "naive"] - G / n  # no saving at the peak
     assert ranks[0][3].step_memory["held"]["grads"] < G  # a bucket in flight, not the full gradient
+
+
+def test_bucketed_zero_reduce_scatters_during_backward():
+    """ZeRO-1/2's reduce-scatter ran once, after backward; bucketed, backward's hooks launch each
+    bucket's (its spans, as DP's), every micro-batch's in ZeRO-2 (DeepSpeed's stage 2), and the
+    first micro-batch's overlaps the second; the flat version's only after backward."""
+    cases = [ParallelConfig(dp=2, zero=z, bucket_mb=0.1, microbatches=2) for z in (1, 2)] + \
+        [ParallelConfig(dp=2, zero=2, dp_mode="naive")]
+    ranks = minipar.launch(workers_dp.train_variants, 2, ODD, cases, 2, BATCH, timeout=120)
+    for res, reduced_each in zip(ranks[0], (1, 2, None)):
+        backward = [s for s in res.spans if s[0] == "backward"]
+        buckets = [s for s in res.spans if s[0].startswith("bucket")]
+        first = min(b[1] for b in buckets)  # the first step's first reduce-scatter began...
+        if reduced_each is None:  # the flat version: one reduce-scatter a step, after backward
+            assert res.calls["reduce_scatter"] == 2 and first > backward[0][2]
+            continue
+        # ...after the first micro-batch's backward began: launched by its hooks (ZeRO-1: those of
+        # the last micro-batch; ZeRO-2 reduces the first's while the second runs)
+        assert first > backward[reduced_each % 2][1]
+        if reduced_each == 2:
+            assert first < backward[1][2]
+        per_step = res.calls["reduce_scatter"] // 2
+        assert per_step == reduced_each * len({b[0] for b in buckets}) > 2

@@ -68,3 +68,13 @@ def mesh_groups(dp, tp, pp):
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t, group=mesh.tp_group)  # the groups work
     return mesh.coords(), ranks, t.item()
+
+
+def first_optimizer_imports():
+    """Modules a worker imports to build and step its first AdamW (the forkserver's preload should
+    already hold them)."""
+    before = set(sys.modules)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    torch.optim.AdamW([p]).step()
+    return sorted(set(sys.modules) - before)
