@@ -26,14 +26,17 @@ freed by then raise NotImplementedError rather than guess.
 from __future__ import annotations
 
 from minipar import memory
+from minipar.comm import receive_numel
 from minipar.data_parallel import split
 
 
 def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
     and "phase": the moment (see the module docstring)."""
-    if par.tp > 1 or par.pp > 1 or par.zero == 3:
-        raise NotImplementedError("predict_peak covers ZeRO stages 0-2 with dp alone")
+    if par.tp > 1 or par.pp > 1 or par.recompute != "none":
+        raise NotImplementedError("predict_peak covers dp alone, without recomputation")
+    if par.zero == 3:
+        return _zero3_peak(cfg, par, global_batch, rank)
     tally = memory.predict(cfg, par, global_batch, rank=rank)
     tally["optimizer"] += 4 * _pieces(cfg, par, rank)  # AdamW's step counters, one a tensor
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
@@ -82,17 +85,97 @@ def _pieces(cfg, par, rank: int) -> int:
     if par.zero == 0:
         return len(memory.chunk_params(cfg, 1, cfg.n_layer, True, True))
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
-    count = 0
-    for sizes in _flats(cfg, par, g):
-        shard, start = memory.flat_shard(sum(sizes), par.dp, rank)[0], 0
-        lo, hi = rank * shard, (rank + 1) * shard
-        for size in sizes:
-            count += max(start, lo) < min(start + size, hi)
-            start += size
-    return count
+    return sum(_in_shard(sizes, par.dp, rank) for sizes in _flats(cfg, par, g))
 
 
 def _buffers(cfg, par, g: int) -> list[tuple[int, int]]:
     """(full, shard) bytes of each ZeRO-1/2 gradient buffer (`_flats`), padded to N shards."""
     shards = [memory.flat_shard(sum(sizes), par.dp, 0)[0] for sizes in _flats(cfg, par, g)]
     return [(g * par.dp * shard, g * shard) for shard in shards]
+
+
+def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
+    """ZeRO-3's peak, by walking its step as zero3.Zero3 runs it, unit by unit (forward order:
+    the embeddings, the blocks, ln_f, the head). A unit is gathered before its forward, the next one
+    prefetched, and freed after it; in backward gathered when its output's gradient is ready (after
+    the loss's backward, for the head), the one before prefetched; once its gradients are in (its
+    activations all freed), they are flattened (g N shard), reduced into a landing shard (g shard)
+    while at most two reductions before it are still held, and the unit freed. The step's first
+    reduction makes the ring's receive space, each unit's first its gradient shard (kept to the
+    step). Every allocation is a moment to check."""
+    # long: one pass over the step's events, a line or two each, as zero3.Zero3 runs them
+    per = memory.layout_bytes(par.precision, par.reduce_fp32)
+    p, g, n = per["params"], per["grads"], par.dp
+    sizes = _unit_sizes(cfg)
+    flats = [memory.flat_shard(sum(unit), n, rank) for unit in sizes]
+    shards = [shard for shard, _ in flats]
+    master = 4 if par.precision in ("bf16", "fp16") else 0
+    state = {"params": p * sum(shards),
+             "optimizer": master * sum(shards) + (per["optimizer"] - master)
+             * sum(o for _, o in flats) + 4 * sum(_in_shard(unit, n, rank) for unit in sizes)}
+    b = par.dp_rows(global_batch)[rank] // par.microbatches
+    s, h, V, a = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_head
+    e = memory.element_bytes(par.precision)
+    x, st = s * b * h * e, 2 * s * b * e
+    saved = [8 * s * b, 8 * s] + [16 * x + 2 * st + 4 * a * s * b] * cfg.n_layer + [x + st, x]
+    loss, u = 4 * s * b * V + 4 + 8 * s * b, len(sizes)
+    live = {"gathered": set(), "pending": [], "shards": set(), "scratch": 0, "act": 0}
+    best = {}
+
+    def check(phase):
+        pending = live["pending"]
+        cats = {"params": state["params"],
+                "grads": sum(g * n * shards[i] for i in pending)
+                + sum(g * shards[i] for i in live["shards"]),
+                "optimizer": state["optimizer"], "activations": live["act"],
+                "comm": sum(p * n * shards[i] for i in live["gathered"]) + live["scratch"]
+                + sum(g * shards[i] for i in pending)}
+        if sum(cats.values()) > sum(v for k, v in best.items() if k != "phase"):
+            best.clear()
+            best.update(cats, phase=phase)
+
+    def gather(i, phase):
+        if 0 <= i < u and i not in live["gathered"]:
+            live["gathered"].add(i)
+            check(phase)
+
+    for _ in range(par.microbatches):
+        for i in range(u):  # forward
+            gather(i, "forward")
+            gather(i + 1, "forward")
+            live["act"] += saved[i]
+            check("forward")
+            live["gathered"].discard(i)
+        live["act"] += loss
+        check("forward")
+        live["act"] -= loss  # the loss's backward, before the head's output has its gradient
+        for i in reversed(range(u)):  # backward
+            gather(i, "backward")
+            gather(i - 1, "backward")
+            live["act"] -= saved[i]
+            live["pending"].append(i)
+            live["scratch"] = live["scratch"] or g * receive_numel(n * max(shards), n)
+            live["shards"].add(i)
+            check("backward")
+            live["pending"] = live["pending"][-2:]  # the oldest retired
+            live["gathered"].discard(i)
+    return best
+
+
+def _unit_sizes(cfg) -> list[list[int]]:
+    """The parameters' sizes of each ZeRO-3 unit, in forward order (t = 1)."""
+    sizes, blocks = memory.chunk_params(cfg, 1, cfg.n_layer, True, True), cfg.n_layer
+    per_block = (len(sizes) - 6) // blocks
+    return [sizes[:1], sizes[1:2]] + [sizes[2 + k * per_block: 2 + (k + 1) * per_block]
+                                      for k in range(blocks)] + [sizes[-4:-2], sizes[-2:]]
+
+
+def _in_shard(sizes: list[int], n: int, rank: int) -> int:
+    """Parameters (of these sizes, laid out in order in a flat buffer padded to n shards) that
+    have elements in `rank`'s shard: AdamW's pieces, each with a step counter."""
+    shard, start, count = memory.flat_shard(sum(sizes), n, rank)[0], 0, 0
+    lo, hi = rank * shard, (rank + 1) * shard
+    for size in sizes:
+        count += max(start, lo) < min(start + size, hi)
+        start += size
+    return count
