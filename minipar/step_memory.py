@@ -7,21 +7,21 @@ technique (M micro-batches, g bytes a gradient element):
 
   forward   the end of the last micro-batch's forward: every activation alive, beside what is held
             between steps. DP and ZeRO-1 keep all their gradient buffers between steps, so this is
-            their peak, and it is the tally exactly. Bucketed ZeRO-2 with M > 1 also holds the
-            previous micro-batch's last bucket, still in flight, and the shard it lands in.
+            their peak, and it is the tally exactly.
   backward  the first gradient: the loss's and the head's saved tensors are gone (4 sbV + 4 + 8 sb,
-            the log-probabilities and the targets; sbhe, the head's input) and ZeRO-2 allocates its
-            first full gradient buffer: the whole flat buffer in the simple version (which then
-            lives until the step: with M > 1 it is alive at the forward moment too), the first
-            bucket when bucketed (with M > 1 beside the previous micro-batch's last one).
+            the log-probabilities and the targets; sbhe, the head's input) and the simple ZeRO-2
+            allocates its flat gradient buffer, which lives until the step (with M > 1 it is alive
+            at the forward moment too).
   step      the optimizer step: no activations; with 16-bit gradients (reduce_fp32=False) outside
             ZeRO, the fp32 copies the masters step on, 4 Psi.
 Not counted, as the measured "held" peak leaves them out: autograd's and the optimizer's
 temporaries (intermediate gradients, AdamW's sqrt and division), shown beside it as "temporaries".
 
-Covered: tp = pp = 1 and ZeRO stages 0-2. ZeRO-3, whose peak falls in backward among the gathered
-units, and bucketed ZeRO-2 whose later buckets (two in flight) could outgrow what backward has
-freed by then raise NotImplementedError rather than guess.
+Bucketed ZeRO-2 and ZeRO-3 are walked event by event instead (`_zero2_peak`, `_zero3_peak`):
+backward node by node, each freeing what it saved, each gradient reaching its bucket or unit, as
+data_parallel.GradBuckets and zero3.Zero3 allocate and free. Both keep what they hold
+deterministic (a new buffer waits for the older ones in flight), which is what makes the peak
+predictable to the byte. Covered: tp = pp = 1, no recomputation; else NotImplementedError.
 """
 from __future__ import annotations
 
@@ -44,24 +44,14 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     freed = s * b * h * memory.element_bytes(par.precision) + 4 * s * b * V + 4 + 8 * s * b
     moments = {"forward": dict(tally)}
-    if par.zero == 2:
-        full = _buffers(cfg, par, g)  # (full bytes, shard bytes) of each gradient buffer
-        first, last = full[0], full[-1]
-        before = moments["forward"]
-        if par.dp_mode == "naive" and m > 1:
-            before["grads"] += first[0]
-        elif m > 1:  # the previous micro-batch's last bucket, in flight
-            before["grads"], before["comm"] = before["grads"] + last[0], before["comm"] + last[1]
-        extra = last if par.dp_mode == "bucketed" and m > 1 else (0, 0)
+    if par.zero == 2 and par.dp_mode == "bucketed":
+        return _zero2_peak(cfg, par, global_batch, rank, tally)
+    if par.zero == 2:  # the flat buffer, from the first gradient to the step
+        flat = _buffers(cfg, par, g)[0][0]
+        if m > 1:
+            moments["forward"]["grads"] += flat
         moments["backward"] = dict(tally, activations=tally["activations"] - freed,
-                                   grads=tally["grads"] + first[0] + extra[0],
-                                   comm=tally["comm"] + extra[1])
-        # bucket k+1's first gradient: k in flight (and its landing shard) beside it, while
-        # backward has freed at least the loss's and the head's activations
-        later = [a[0] + a[1] + c[0] for a, c in zip(full, full[1:])]
-        if later and max(later) + extra[0] + extra[1] > freed:
-            raise NotImplementedError("a later bucket of ZeRO-2 may make the peak: buckets in "
-                                      "flight outgrow the activations backward has freed")
+                                   grads=tally["grads"] + flat)
     mixed = par.precision in ("bf16", "fp16")
     if par.zero == 0 and mixed and not par.reduce_fp32:  # the fp32 master gradients
         psi = memory.tp_params(cfg)
@@ -179,3 +169,77 @@ def _in_shard(sizes: list[int], n: int, rank: int) -> int:
         count += max(start, lo) < min(start + size, hi)
         start += size
     return count
+
+
+def _backward_events(cfg, b: int, e: int) -> list[tuple[int, list[int]]]:
+    """Backward as autograd runs it, node by node: (activation bytes the node frees, the indices in
+    chunk_params' order of the parameters whose gradients arrive after it, last first). A node frees
+    what it saved as it ends, before the gradients it made reach their parameters; ln1's output,
+    saved by v, k and q, goes with the last of them."""
+    s, h, V, a, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_head, cfg.n_layer
+    x, st = s * b * h * e, 2 * s * b * e
+    top = 2 + 15 * L  # ln_f's weight
+    events = [(4 * s * b * V + 4 + 8 * s * b, []),  # the loss
+              (x, [top + 3, top + 2]), (x + st, [top + 1, top])]  # the head, ln_f
+    for o in (2 + 15 * k for k in reversed(range(L))):
+        events += [(4 * x, [o + 14, o + 13]), (4 * x, []), (x, [o + 12, o + 11]),
+                   (x + st, [o + 10, o + 9]), (x, [o + 8, o + 7]), (3 * x + 4 * a * s * b, []),
+                   (0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2]), (x + st, [o + 1, o])]
+    return events + [(8 * s, [1]), (8 * s * b, [0])]
+
+
+def _zero2_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
+    """Bucketed ZeRO-2's peak, by walking backward node by node (`_backward_events`) through
+    data_parallel.GradBuckets' rules: a bucket's full buffer is made at its first gradient (after
+    retiring every bucket in flight but the newest), reduced into a landing shard once complete,
+    both freed when retired (or refilled: the next micro-batch's); every micro-batch reduces.
+    Each allocation, and each forward's end, is a moment to check."""
+    # long: one pass over the step's events, as GradBuckets runs them
+    g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
+    sizes = memory.chunk_params(cfg, 1, cfg.n_layer, True, True)
+    groups = split(sizes, int(par.bucket_mb * 2**20), g)
+    bucket_of = {i: k for k, group in enumerate(groups) for i in group}
+    full = _buffers(cfg, par, g)
+    b = par.dp_rows(global_batch)[rank] // par.microbatches
+    a_total = tally["activations"]
+    live = {"full": set(), "landing": set(), "launched": [], "act": a_total}
+    arrived, best = [0] * len(groups), {}
+    nxt = [0]
+
+    def check(phase):
+        cats = dict(tally, activations=live["act"],
+                    grads=tally["grads"] + sum(full[k][0] for k in live["full"]),
+                    comm=tally["comm"] + sum(full[k][1] for k in live["landing"]))
+        if sum(cats.values()) > sum(v for k, v in best.items() if k != "phase"):
+            best.clear()
+            best.update(cats, phase=phase)
+
+    def retire(ks):
+        for k in ks:
+            live["full"].discard(k)
+            live["landing"].discard(k)
+            live["launched"].remove(k)
+
+    for _ in range(par.microbatches):
+        live["act"] = a_total
+        check("forward")
+        for freed, params in _backward_events(cfg, b, memory.element_bytes(par.precision)):
+            live["act"] -= freed
+            for i in params:
+                k = bucket_of[i]
+                if k in live["launched"]:
+                    retire([k])
+                if k not in live["full"]:
+                    retire(live["launched"][:-1])
+                    live["full"].add(k)
+                    check("backward")
+                arrived[k] += 1
+                while nxt[0] < len(groups) and arrived[nxt[0]] == len(groups[nxt[0]]):
+                    arrived[nxt[0]] = 0
+                    live["landing"].add(nxt[0])
+                    live["launched"].append(nxt[0])
+                    check("backward")
+                    nxt[0] = (nxt[0] + 1) % len(groups)
+                    if nxt[0] == 0:
+                        break
+    return best

@@ -112,13 +112,15 @@ def test_zero_table_reproduces_the_paper(n_d):
 def test_the_step_peak_is_predicted_to_the_byte(dp):
     """The most a rank holds over a whole step (measured from tensor lifetimes, minipar.tracker:
     model states, gradient buffers, communication buffers and activations; autograd's temporaries
-    aside) equals step_memory.predict_peak, moment and bytes, for ZeRO 0-2, both DP modes,
-    fp32 and bf16 (fp32 or 16-bit gradients), with and without accumulation."""
+    aside) equals step_memory.predict_peak, moment and bytes, for every ZeRO stage and DP mode
+    (buckets of 0.1 MiB: many; 25 MiB: one), fp32 and bf16 (fp32 or 16-bit gradients), with and
+    without accumulation."""
     from minipar.step_memory import predict_peak
-    cases = [ParallelConfig(dp=dp, zero=z, dp_mode=mode, precision=p, reduce_fp32=fp32_grads,
-                            microbatches=m)
+    modes = ({"dp_mode": "naive"}, {"bucket_mb": 0.1}, {})
+    cases = [ParallelConfig(dp=dp, zero=z, precision=p, reduce_fp32=fp32_grads, microbatches=m,
+                            **mode)
              for p, fp32_grads in (("fp32", True), ("bf16", True), ("bf16", False))
-             for z in (0, 1, 2) for mode in ("naive", "bucketed") for m in (1, 2)]
+             for z in (0, 1, 2, 3) for mode in (modes[2:] if z == 3 else modes) for m in (1, 2)]
     ranks = minipar.launch(workers_dp.train_variants, dp, ODD, cases, 2, BATCH, timeout=300)
     phases = set()
     for i, par in enumerate(cases):
