@@ -394,5 +394,7 @@ def _final_weights(run: Parallel, mesh) -> dict:
 def _peaks(tracker: Tracker) -> dict[str, dict]:
     """The tracked step's peaks: {"held": by category at the most model states, buffers and
     activations, "total": at the most of everything, temporaries too}."""
+    cuda = {} if tracker.cuda_max_allocated is None else \
+        {"cuda_max_allocated": tracker.cuda_max_allocated}  # the allocator's, beside (GPU)
     return {"held": {**tracker.peak, "phase": tracker.peak_phase},
-            "total": {**tracker.peak_total, "phase": tracker.peak_total_phase}}
+            "total": {**tracker.peak_total, "phase": tracker.peak_total_phase}, **cuda}
