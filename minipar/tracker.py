@@ -175,6 +175,7 @@ class Tracker:
             self._bytes, self._phase = dict.fromkeys([*self.known, *OWN], 0), None
         self._event, self._timeline = -1, _Timeline()
         self._peaks = {"held": (-1, None), "total": (-1, None)}  # (bytes, sample)
+        self.most = {}  # {category: its own largest bytes over the region}
 
     def __enter__(self) -> "Tracker":
         if self._active:
@@ -272,6 +273,7 @@ class Tracker:
             live[old] -= before
         if new is not None:
             live[new] = live.get(new, 0) + after
+            self.most[new] = max(self.most.get(new, 0), live[new])
         self._event += 1
         total = sum(live.values())
         held, peaks = total - live["temporaries"], self._peaks

@@ -69,9 +69,8 @@ class TrainResult:
     peak: hardware.Peak | None = None   # MFU's denominator (per device) and where it comes from
     data: dataset.Dataset | None = field(default=None, repr=False)  # what it trained on: decode
     # by rank, over one whole step (the second: the first runs forward before AdamW's moments
-    # exist), from tensor lifetimes (minipar.tracker): {"held":
-    # {category: bytes} when model states, buffers and activations were most, "total": when all
-    # were, autograd's and the optimizer's "temporaries" too; each with its "phase"}
+    # exist), from tensor lifetimes (minipar.tracker): {"held": {category: bytes} when states,
+    # buffers and activations were most; "total": with autograd's "temporaries"; each a "phase"}
     step_peak: list[dict] = field(default_factory=list)
     memory_timelines: list[list] = field(default_factory=list, repr=False)  # Tracker.timeline
 
@@ -93,8 +92,7 @@ class RankResult:
                                         #   activations' peak over the run (CUDA: + the allocator's)
     comm: dict                          # {collective or "p2p": bytes sent over the steps}
     calls: dict                         # {collective or "p2p": calls made over the steps}
-    spans: list = field(repr=False)     # the last step's pipeline actions, or DP's spans:
-                                        #   (what, start, end) in perf_counter seconds
+    spans: list = field(repr=False)     # last step's pipeline actions, or DP's (what, start, end)
     device: str = "cpu"
     state_dict: dict | None = field(default=None, repr=False)  # single-device weights (rank 0)
     val_losses: list[tuple] = field(default_factory=list)  # (step, global mean held-out loss)
@@ -102,6 +100,7 @@ class RankResult:
     stopped: int = 0                    # the step whose loss was not finite (0: none)
     step_memory: dict = field(default_factory=dict)  # the tracked step's peaks (`_peaks`)
     timeline: list = field(default_factory=list, repr=False)  # its Tracker.timeline
+    tracked_activations: int = 0        # the tracked step's most activations
     par: ParallelConfig | None = field(default=None, repr=False)
 
 
@@ -298,6 +297,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
         if tracker:
             run.track(None)
             out.step_memory, out.timeline = _peaks(tracker), tracker.timeline
+            out.tracked_activations = tracker.most.get("activations", 0)  # (the meter sat out)
         # metrics: the global mean loss; memory at the first step (grads held, optimizer state new)
         if par.dp > 1:
             loss = share.sum_over(loss * rows[2], mesh.dp_group) / par.dp
@@ -330,7 +330,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
             _checkpoint(run, mesh, cfg, step + 1, save, data, settings)
     log.close()
     out.comm, out.calls = dict(stats.bytes_sent), dict(stats.calls)  # not the gather below
-    out.memory["activations"] = meter.peak
+    out.memory["activations"] = max(meter.peak, out.tracked_activations)
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
         out.memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
     state = _final_weights(run, mesh) if return_state and not out.stopped else None

@@ -32,7 +32,7 @@ def test_zero_paper_table_1(n_d):
         assert abs(table[stage] - published) <= half + 1e-9
         # the planner's model states (zero.py's padding included) give the same figures
         par = ParallelConfig(dp=n_d, zero=stage, precision="bf16")
-        states = memory.rank_states(par, [7_500_000_000], memory.layout_bytes("bf16"))
+        states = memory.rank_states(par, [7_500_000_000], memory.layout_bytes("bf16", False))
         assert abs(sum(states[k] for k in ("params", "grads", "optimizer")) / 1e9 - published) <= half + 1e-9
 
 
