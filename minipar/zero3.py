@@ -79,7 +79,7 @@ class Zero3:
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="minipar-zero3")
         self.tracker = None  # a minipar.tracker.Tracker watching the step: told what it allocates
-        self._pending = []  # reductions in flight: (work, the unit's full gradients, the landing)
+        self.pending = []  # reductions in flight: (work, the unit's full gradients, the landing)
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -153,21 +153,21 @@ class Zero3:
                 self.tracker.declare("grads", unit.mine.grads)
         # at most one reduction in flight beside this one, its buffers freed here when it is done
         # (not whenever the communication thread finishes): what a rank holds is deterministic
-        self._retire(self._pending[:-1])
-        self._pending.append((self._comm.submit(_reduce_into, unit.mine.grads, grads, self.group,
+        self._retire(self.pending[:-1])
+        self.pending.append((self._comm.submit(_reduce_into, unit.mine.grads, grads, self.group,
                                                 self.ops, out), grads, out))
         self._free(i)
 
     def _retire(self, pending: list) -> None:
         for entry in pending:
             entry[0].result()
-            self._pending.remove(entry)
+            self.pending.remove(entry)
 
     # ------------------------------------------------------------------------- optimizer interface
 
     def step(self, clip=None, sp=None) -> None:
         """Wait for the reduced gradient shards and update them (sp: unused, ZeRO-3 refuses SP)."""
-        self._retire(list(self._pending))  # every micro-batch's reduced shards are added in
+        self._retire(list(self.pending))  # every micro-batch's reduced shards are added in
         for unit in self.units:
             if not unit.mine.grads.numel():  # no gradient reached it
                 unit.mine.grads = torch.zeros_like(unit.mine.params, dtype=unit.grad_dtype)

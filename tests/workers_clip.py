@@ -139,9 +139,9 @@ def _evaluate(run, cfg, par, batch, rows) -> tuple[float, bool]:
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(before, after))
     if isinstance(run.optimizer, Zero3):
-        clean = clean and run.optimizer.gathered_bytes == 0 and all(
-            not u.gathered and u.gathering is None and u.grads_in == 0 and not u.reducing
-            and u.full.untyped_storage().nbytes() == 0 for u in run.optimizer.units)
+        clean = clean and run.optimizer.gathered_bytes == 0 and not run.optimizer.pending \
+            and all(not u.gathered and u.gathering is None and u.grads_in == 0
+                    and u.full.untyped_storage().nbytes() == 0 for u in run.optimizer.units)
     return loss, clean
 
 
