@@ -41,7 +41,7 @@ class _Unit:
         fp32 = self.layout.flatten(self.params)[self.layout.lo: self.layout.hi]
         self.grad_dtype = grad_dtype
         self.mine = Shard(self.layout, fp32.to(dtype, copy=True), fp32.clone() if master else None,
-                          lr, weight_decay, betas)
+                          lr, weight_decay, betas, grads=fp32.new_zeros(0, dtype=grad_dtype))
         self.full = self.mine.params.new_empty(self.mine.params.numel() * n)
         self.layout.point_params_at(self.full)
         self.gathering, self.gathered = None, True  # the future of an all-gather in flight
