@@ -43,15 +43,10 @@ Per step, after the pipeline, all ranks at once:
 """
 from __future__ import annotations
 
-import math
-
 from minipar import memory, pipeline
+from minipar.data_parallel import split
 from minipar.pipeline.schedules import inputs
 from minipar.planner.layer_profile import profile
-
-TENSORS_PER_LAYER = 15  # ln1 (2), q (2), k (1: no bias), v (2), attn.proj (2),
-                        #   ln2 (2), fc (2), mlp.proj (2)
-
 
 def ring(kind: str, nbytes: float, n: int, cpu, meet: bool = True) -> float:
     """Seconds of minipar's ring collective `kind` ("all_reduce", "all_gather", "reduce_scatter")
@@ -101,14 +96,15 @@ def collective_calls(cfg, est) -> dict[str, int]:
                 calls[kind] = calls.get(kind, 0) + m * times
     if par.tp > 1 and par.sequence_parallel:  # the shard-used parameters' gradients
         calls["all_reduce"] = calls.get("all_reduce", 0) + 1
-    if par.dp > 1 and par.zero in (1, 2):
-        calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + 1,
-                     all_gather=calls.get("all_gather", 0) + 1)
-    elif par.dp > 1 and par.zero == 0:  # one all-reduce a bucket (a tensor when naive)
-        psi = sum(memory.rank_units(cfg, par.tp, list(est.layers), par.pp, 0))
-        mine, per = range(0, chunks, par.pp), memory.layout_bytes(par.precision, par.reduce_fp32)
-        tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
-        calls["all_reduce"] = calls.get("all_reduce", 0) + _dp_messages(par, psi, tensors, per)[0]
+    if par.dp > 1 and par.zero < 3:  # a collective a gradient buffer (`_buckets`)
+        sizes = memory.rank_units(cfg, par.tp, list(est.layers), par.pp, 0, of=memory.chunk_params)
+        k = _buckets(par, sizes, memory.layout_bytes(par.precision, par.reduce_fp32))
+        if par.zero == 0:
+            calls["all_reduce"] = calls.get("all_reduce", 0) + k
+        else:
+            times = par.microbatches if par.zero == 2 and par.dp_mode == "bucketed" else 1
+            calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + times * k,
+                         all_gather=calls.get("all_gather", 0) + k)
     return {k: v for k, v in calls.items() if v}
 
 
@@ -179,35 +175,30 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
     return now, spent
 
 
-def _tensors(layers: int, first: bool, last: bool) -> int:
-    return TENSORS_PER_LAYER * layers + 2 * first + 4 * last
+def _buckets(par, sizes: list[int], per: dict) -> int:
+    """Gradient buffers a rank holding parameters of these sizes reduces, one collective each
+    (data_parallel.split): DP naive a tensor each, ZeRO-1/2 naive one flat buffer, else buckets of
+    par.bucket_mb at per["grads"] bytes an element."""
+    if par.dp_mode == "naive":
+        return len(sizes) if par.zero == 0 else 1
+    return len(split(sizes, int(par.bucket_mb * 2**20), per["grads"]))
 
 
-def _dp_messages(par, psi: int, tensors: int, per: dict) -> tuple[int, int]:
-    """(all-reduces, bytes a parameter) of ZeRO-0's gradient sync: mixed precision reduces the fp32
-    master gradients one tensor at a time (parallelize.py), else the bucketed DataParallel (naive:
-    per tensor); per: memory.layout_bytes of the precision."""
-    if par.precision in ("bf16", "fp16") and par.reduce_fp32:
-        return tensors, 4
-    g = per["grads"]
-    return (tensors if par.dp_mode == "naive"
-            else math.ceil(g * psi / (par.bucket_mb * 2 ** 20))), g
-
-
-def dp_comm(par, psi: int, tensors: int, units: int, cpu, per: dict) -> float:
-    """Seconds of the DP / ZeRO collectives of a rank holding psi parameters in `tensors` tensors,
-    at `per` bytes a parameter (memory.layout_bytes)."""
+def dp_comm(par, psi: int, buckets: int, units: int, cpu, per: dict) -> float:
+    """Seconds of the DP / ZeRO collectives of a rank holding psi parameters in `buckets` gradient
+    buffers (`_buckets`; ZeRO-3: `units` units), at `per` bytes a parameter
+    (memory.layout_bytes); bucketed ZeRO-2 reduce-scatters every micro-batch."""
     n = par.dp
     if n == 1:
         return 0.0
-    if par.zero == 0:
-        messages, g = _dp_messages(par, psi, tensors, per)  # after the backward, then back to back
-        return (messages - 1) * ring("all_reduce", 0, n, cpu, meet=False) + ring("all_reduce",
-                                                                                 g * psi, n, cpu)
+    extra = lambda kind, k: (k - 1) * ring(kind, 0, n, cpu, meet=False)  # noqa: E731
+    if par.zero == 0:  # after the backward, then back to back
+        return extra("all_reduce", buckets) + ring("all_reduce", per["grads"] * psi, n, cpu)
     rs, ag = ring("reduce_scatter", per["grads"] * psi, n, cpu), ring("all_gather",
                                                                       per["params"] * psi, n, cpu)
     if par.zero in (1, 2):
-        return rs + ag
+        times = par.microbatches if par.zero == 2 and par.dp_mode == "bucketed" else 1
+        return times * (rs + extra("reduce_scatter", buckets)) + ag + extra("all_gather", buckets)
     return par.microbatches * (2 * ag + rs + (3 * units - 3) * ring("all_gather", 0, n, cpu,
                                                                     meet=False))
 
@@ -273,8 +264,8 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
     dp = opt = sp = 0.0
     for r in range(p):
         mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
-        tensors = sum(_tensors(est.layers[c], c == 0, c == chunks - 1) for c in mine)
-        dp = max(dp, dp_comm(par, sum(units), tensors, len(units), cpu, per))
+        sizes = memory.rank_units(cfg, par.tp, list(est.layers), p, r, of=memory.chunk_params)
+        dp = max(dp, dp_comm(par, sum(units), _buckets(par, sizes, per), len(units), cpu, per))
         full = sum(
             est.layers[c] * prof.layer_opt + ((c == 0) + (c == chunks - 1)) / 2 * prof.ends_opt
             for c in mine
