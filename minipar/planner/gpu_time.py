@@ -138,15 +138,14 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
     n = par.dp
     if n == 1:
         return 0.0
+    g = per["grads"]  # fp32 gradients under mixed precision unless reduce_fp32=False
     if par.zero == 0:
-        g = 4 if par.precision == "fp32" or (par.precision in ("bf16", "fp16")
-                                             and par.reduce_fp32) else per["grads"]
         total = all_reduce(g * psi, n, link)
         return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
-    rs = gather_or_scatter(per["grads"] * psi, n, link)
+    rs = gather_or_scatter(g * psi, n, link)
     ag = gather_or_scatter(per["params"] * psi, n, link)
-    if par.zero in (1, 2):
-        return _overlap(rs, per["grads"] * psi, par.bucket_mb, window) + ag
+    if par.zero in (1, 2):  # naive: one flat reduce-scatter after backward
+        return (rs if par.dp_mode == "naive" else _overlap(rs, g * psi, par.bucket_mb, window)) + ag
     per_mb = 2 * ag + rs
     return par.microbatches * max(0.0, per_mb - compute_mb) + ag / max(units, 1)
 

@@ -164,7 +164,9 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
     extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0
     peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
     units = [memory.rank_units(cfg, par.tp, layers, par.pp, r) for r in range(par.pp)]
-    states = [memory.rank_states(par, units[r], per) for r in range(par.pp)]
+    params = [memory.rank_units(cfg, par.tp, layers, par.pp, r, of=memory.chunk_params)
+              for r in range(par.pp)]  # ZeRO-1/2's buckets are cut from them
+    states = [memory.rank_states(par, units[r], per, 0, params[r]) for r in range(par.pp)]
     return [memory.by_category(states[r], peaks[r]) for r in range(par.pp)]
 
 
