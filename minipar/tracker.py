@@ -46,11 +46,10 @@ Threads. Dispatch modes and saved-tensor hooks are thread-local: the thread that
 (and autograd's CUDA backward threads, which inherit its state), no other; so minipar's
 communication threads allocate nothing (outputs and receive space are made first, on the main
 thread). Deaths and resizes are seen on every thread.
-
 Costs. A Python call per op, a look-up per output, a registration per new storage: a step of a
 tiny GPT (2 layers, h = 32, s = 16, batch 8) ~5x as long on CPU (25 ms against 5, one thread; an
-empty dispatch mode alone 14 ms), of 4 layers, h = 256, s = 128 ~1.1x; ~200 bytes a live storage.
-Meant for one step of a run (minipar.train watches its second), not all.
+empty dispatch mode alone 14 ms), of 4 layers, h = 256, s = 128 ~1.1x; ~200 bytes a live storage:
+for one step of a run (minipar.train watches its second). DTensors are seen by their local shards.
 """
 from __future__ import annotations
 
@@ -104,13 +103,16 @@ def _input_storages(args, kwargs) -> set[int]:
 
 
 class _Watch(TorchDispatchMode):
-    """Hands every op's outputs to the tracker."""
+    """Hands every op's outputs to the tracker (a DTensor's op is left to DTensor, which runs it
+    on its local shards, seen then: the DTensor's own storage holds no data, yet reads global)."""
 
     def __init__(self, tracker: "Tracker"):
         super().__init__()
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         self.tracker._outputs(func, (args, kwargs), out)
         return out
@@ -395,4 +397,3 @@ class Tracker:
 def _check(category: str) -> None:
     if category in OWN:
         raise ValueError(f"{category!r} is decided by the tracker; declare another category")
-

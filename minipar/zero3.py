@@ -140,7 +140,8 @@ class Zero3:
         # on the communication thread, after any gather queued before it: every collective of a
         # rank must run in one order, the same on all ranks; what it writes is allocated here
         out = torch.empty(unit.mine.params.numel(), dtype=unit.grad_dtype, device=grads.device)
-        if not self.scratch.buffers:  # the first reduction of this backward: none in flight
+        if not self.scratch.buffers and self.collectives == "minipar":  # the step's first: none
+            # in flight (the backend's collectives need no receive space of ours)
             self.scratch.reserve(max(u.full.numel() for u in self.units), self.size, grads)
             if self.tracker:  # a Tracker watches this step
                 self.tracker.declare("comm", *self.scratch.buffers.values())
