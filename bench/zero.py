@@ -116,6 +116,8 @@ def worker(model: str, batches: tuple, bucket_mb: float, sets, reps: int, warmup
     tools: none)}. batches: sequences per rank, (fp32, bf16)."""
     # FSDP2 on our logits: no in-place
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    # MemTracker on None grads
+    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
     if threads:
         torch.set_num_threads(threads)
     from torch.distributed.device_mesh import init_device_mesh

@@ -194,7 +194,7 @@ def plot(rows: list[dict], s: dict, path) -> None:
 
     worlds = list(s["worlds"])
     names = variants(s["sets"])
-    colour = {v: f"C{i}" for i, set_ in enumerate(s["sets"]) for v in SETS[set_][1][::-1]}
+    colour = {v: f"C{i}" for i, set_ in reversed(list(enumerate(s["sets"]))) for v in SETS[set_][1]}
     fig, axes = plt.subplots(len(worlds), 2, figsize=(13, 0.32 * len(names) * len(worlds) + 1.4),
                              squeeze=False)
     for (ax_t, ax_m), world in zip(axes, worlds):
