@@ -1,74 +1,92 @@
-"""minipar ZeRO against PyTorch's: ZeRO-3 vs FSDP2, ZeRO-1 vs
-ZeroRedundancyOptimizer over DDP; fp32, gloo.
+"""minipar's ZeRO and mixed-precision DP against PyTorch's: ZeRO-3 vs FSDP2, ZeRO-2 vs FSDP2
+with reshard_after_forward=False, ZeRO-1 vs DDP + ZeroRedundancyOptimizer, bf16 DP vs DDP under
+autocast, bf16 ZeRO-2 vs FSDP2 with a bf16 MixedPrecisionPolicy; gloo.
 
-Six variants train the same model (same seed) on the same fixed batch, in the same worker processes:
+Sets of variants (--sets), each with its peer; every variant trains the same model (same seed) on
+the same fixed batch, in the same worker processes. minipar's are built through the public API,
+minipar.parallelize with ParallelConfig(dp=N, ...); PyTorch's are as a user would write them.
 
-  zero3/minipar, zero3/torch   minipar.zero.Zero3 (its own ring / the backend's collectives)
-  fsdp2                        torch.distributed.fsdp.fully_shard on each block, then the root, on a
-                               CPU device mesh, with torch.optim.AdamW on the sharded parameters
-  zero1/minipar, zero1/torch   minipar.zero.ZeroOptimizer(stage=1): it reduce-scatters the gradients
-                               itself
-  ddp+zero-r                   torch DDP (default buckets) +
-                               torch.distributed.optim.ZeroRedundancyOptimizer
-                               around AdamW: PyTorch's ZeRO-1 (DDP all-reduces,
-                               ZeRO-R shards the state)
+  zero3        zero3/minipar, zero3/torch   zero=3 (its own ring / the backend's collectives)
+               fsdp2 (peer)                 fully_shard on each block, then the root (ZeRO-3)
+  zero2        zero2/bucketed               zero=2, dp_mode="bucketed": each bucket reduce-
+                                            scattered on the communication thread as soon as
+                                            complete, its full buffer freed once reduced
+               zero2/naive                  zero=2, dp_mode="naive": one flat buffer reduce-
+                                            scattered after backward (the simple version: its
+                                            peak is ZeRO-1's)
+               fsdp2-noreshard (peer)       fully_shard(..., reshard_after_forward=False): ZeRO-2
+  zero1        zero1/bucketed, zero1/naive  zero=1, the same two gradient paths
+               ddp+zero-r (peer)            DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+                                            around AdamW: PyTorch's ZeRO-1
+  bf16         dp-bf16/minipar              precision="bf16", dp_mode="bucketed": bf16 weights,
+                                            fp32 masters, fp32 gradient buckets all-reduced
+               ddp-bf16 (peer)              DDP on the fp32 model, forward under
+                                            torch.autocast("cpu", bfloat16): fp32 gradients
+  zero2-bf16   zero2-bf16/minipar           zero=2, precision="bf16": fp32 master shards and
+                                            gradient shards, bf16 weights
+               fsdp2-bf16 (peer)            fsdp2-noreshard with MixedPrecisionPolicy(param_dtype=
+                                            bfloat16, reduce_dtype=float32)
+  floors       local, local-bf16            no communication at all (each rank alone; bf16:
+                                            autocast): no variant can be faster but by noise
 
-All use AdamW(lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only). Step time: a repetition
-runs one step of each variant (forward, backward, gradient sync, optimizer step, zero_grad) from a
-barrier, starting with a different variant each time, after warm-up steps; its time is the slowest
-rank's. Times are medians over every repetition of every launch; the ratio is the median of
-variant/peer over repetitions run back to back (peer: fsdp2 for ZeRO-3, ddp+zero-r for ZeRO-1), "per
-launch" its range launch by launch. "in step()": the median time (all ranks) in the optimizer step
-and zero_grad, after backward; it holds ZeRO-1's reduce-scatter and all-gather and ZeRO-R's
-broadcasts (DDP, FSDP2 and Zero3 sync the gradients in backward).
+All use AdamW(lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only). Bucketed variants use
+--bucket-mb buckets, and so does DDP (bucket_cap_mb). The bf16 sets run --bf16-batch sequences per
+rank: a CPU without bf16 units (AVX2 only) runs bf16 matmuls some 5-10x slower than fp32 ones.
 
-Memory (first launch only, before the timed steps, one variant at a time): there are no CPU
-allocator statistics, so every variant is measured by PyTorch's
-`torch.distributed._tools.mem_tracker.MemTracker`, a dispatch mode that sees every tensor storage an
-operator creates and its release. The model, the wrapper and the optimizer are built inside the
-tracker (so persistent buffers such as DDP's buckets and minipar's reused ring scratch space are
-seen from birth); one step runs, then the peak is reset and the second step is measured (later steps
-peak the same, to the byte). "peak" is the largest total of live storages during that step, "after
-forward" the total just before backward, "between steps" what is still held after zero_grad. "full
-params held after forward": the bytes of the storages that the parameters of each module had while
-it ran forward that are still alive when forward ends (weak references taken by forward pre-hooks):
-gathered parameters not yet really freed, and anything not sharded. A dispatch mode is per thread:
-Zero3 runs its all-gathers and reduce-scatters on a communication thread, which the tracker would
-not see, so for this measurement only its executor is replaced by one that runs each job at once in
-the calling thread, as if the communication thread started every job the moment it is queued (a
-prefetched unit then exists from the prefetch request on, the earliest it can in a real run).
-Not counted, for any variant: gloo's internal buffers, Python objects, the allocator's slack. Memory
-columns are the fullest rank's.
+Step time: a repetition runs one step of each variant (forward, backward, gradient sync, optimizer
+step, zero_grad) from a barrier, starting with a different variant each time, after warm-up steps;
+its time is the slowest rank's. Times are medians over every repetition of every launch, with the
+interquartile range; the ratio is the median of variant/peer over repetitions run back to back,
+"per launch" its range launch by launch. "in step()": the median time (all ranks) from the end of
+backward to the end of zero_grad: ZeRO-1/2's wait for their last buckets, all-gather and update,
+ZeRO-R's broadcasts, minipar DP's wait for its last bucket; DDP and FSDP2 wait for their
+gradients inside backward, so a rank's wait for a slower rank lands in backward for them and in
+step() for minipar.
+
+Memory (first launch only, before the timed steps, one variant at a time): every variant is
+measured by the same tool, minipar.tracker.Tracker, a dispatch mode that follows every tensor
+storage an op creates until it dies. The model, the wrapper and the optimizer are built inside the
+tracker (so persistent buffers such as DDP's buckets and minipar's gradient buckets and ring
+receive space are seen from birth); two steps run (optimizer state made, DDP's buckets rebuilt),
+then a third is measured. "peak" is the largest total of live storages during that step, "after
+forward" the total just before backward, "between steps" what is still held after zero_grad.
+"full params after forward": the bytes of the storages that the parameters of each module had
+while it ran forward that are still alive when forward ends (weak references taken by forward
+pre-hooks): gathered parameters not yet freed, and anything not sharded. One change to the tracker,
+made here: an op on DTensors (FSDP2's sharded parameters, gradients and optimizer state) is left to
+DTensor, which runs it as ops on the local shards that the tracker then sees. As it is, minipar's
+tracker registers the DTensor's own storage instead, which holds no data and whose nbytes() is the
+global (unsharded) size, and never sees the local tensors: it put FSDP2's optimizer state at N
+times its size. PyTorch's MemTracker (torch.distributed._tools.mem_tracker), which does the same,
+measures every variant a second time at the first world size, as a check ("peak by MemTracker").
+A dispatch mode sees the thread it was entered on: minipar's communication threads allocate
+nothing (what they write is allocated on the main thread first), and PyTorch's peers run every
+allocation on the main thread on CPU. Not counted, for any variant: gloo's internal buffers (not
+tensors), Python objects, the allocator's slack. Memory columns are the fullest rank's.
 Sanity: every variant's loss at every step (rank-local, same rows on a rank) is compared with the
-peer's; the first step's must be equal, later ones differ by reduction order only.
+peer's (relative difference): 0 at the first step in fp32, then reduction order only; bf16
+variants hold 16-bit weights and minipar's DP differs from DDP's fp32 weights under autocast.
 """
 from __future__ import annotations
 
-import gc
 import sys
 import time
 import warnings
-import weakref
-from concurrent.futures import Future
 
 import common  # bench/ is on sys.path
 import torch
 import torch.distributed as dist
 from common import RESULTS, add_timing_arguments, main
-from torch.distributed.tensor import DTensor
+from zero_variants import SETS, Run, batch_of, measure_memory, variants
 
 import minipar
 from minipar import data
-from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.train import make_optimizer
-from minipar.zero import ZeroOptimizer
-from minipar.zero3 import Zero3
+from minipar.mesh import Mesh
+from minipar.model import GPTConfig
 
-DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, reps=8, warmup=2, launches=2, threads=1)
-VARIANTS = ("zero3/minipar", "zero3/torch", "fsdp2", "zero1/minipar", "zero1/torch", "ddp+zero-r")
-PEER = {"zero3/minipar": "fsdp2", "zero3/torch": "fsdp2", "fsdp2": "fsdp2",
-        "zero1/minipar": "ddp+zero-r", "zero1/torch": "ddp+zero-r", "ddp+zero-r": "ddp+zero-r"}
-LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.95)
+DEFAULTS = dict(worlds=(2, 4), model="small-cpu", batch=4, bf16_batch=1, bucket_mb=2.0,
+                sets=tuple(SETS), tools=("tracker", "memtracker"), reps=8, warmup=2, launches=2,
+                threads=1)
 
 
 def add_arguments(parser) -> None:
@@ -76,130 +94,26 @@ def add_arguments(parser) -> None:
                         help="world sizes")
     parser.add_argument("--model", default=DEFAULTS["model"], help="GPTConfig preset")
     parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per rank")
+    parser.add_argument("--bf16-batch", dest="bf16_batch", type=int,
+                        default=DEFAULTS["bf16_batch"], help="sequences per rank, bf16 variants")
+    parser.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=DEFAULTS["bucket_mb"],
+                        help="bucket size in MiB: minipar's bucketed variants and DDP's")
+    parser.add_argument("--sets", nargs="+", choices=list(SETS), default=list(DEFAULTS["sets"]),
+                        help="which comparisons to run")
+    parser.add_argument("--tools", nargs="+", choices=["tracker", "memtracker"],
+                        default=list(DEFAULTS["tools"]),
+                        help="memory trackers (the first gives the ratios; the others a column)")
     add_timing_arguments(parser, DEFAULTS)
 
 
 # ----------------------------------------------------------------------------- inside a worker
 
 
-class _Inline:
-    """An executor that runs each job at once, in the calling thread (Zero3's memory step only)."""
-
-    def submit(self, fn, *args):
-        done = Future()
-        done.set_result(fn(*args))
-        return done
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
-
-
-class _Run:
-    """One variant: `module` to call, and `step()` = optimizer step then zero_grad."""
-
-    def __init__(self, name: str, cfg: GPTConfig, mesh):
-        torch.manual_seed(0)
-        self.model = self.module = GPT(cfg)
-        self.zero3 = None
-        kind, _, collectives = name.partition("/")
-        if kind == "zero3":
-            self.optimizer = self.zero3 = Zero3(self.model, None, LR, WEIGHT_DECAY, BETAS,
-                                                collectives=collectives)
-        elif kind == "zero1":
-            self.optimizer = ZeroOptimizer(self.model, None, 1, LR, WEIGHT_DECAY, BETAS,
-                                           collectives=collectives)
-        elif name == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-            for block in self.model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
-            self.optimizer = make_optimizer(self.model, LR, WEIGHT_DECAY)
-        elif name == "ddp+zero-r":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            from torch.nn.parallel import DistributedDataParallel
-            self.module = DistributedDataParallel(self.model)
-            # same groups as the others
-            groups = make_optimizer(self.model, LR, WEIGHT_DECAY).param_groups
-            self.optimizer = ZeroRedundancyOptimizer(
-                [dict(params=g["params"], weight_decay=g["weight_decay"]) for g in groups],
-                optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS)
-        else:
-            raise ValueError(f"unknown variant {name!r}")
-
-    def forward(self, x, y) -> torch.Tensor:
-        return cross_entropy(self.module(x), y)
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def close(self) -> None:
-        if self.zero3:
-            self.zero3.close()
-
-
-def _measure_memory(name: str, cfg, mesh, x, y) -> dict:
-    """This rank's bytes in one steady step: {"peak", "after_forward",
-    "between", "gathered"} (docstring)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    gc.collect()
-    tracker = MemTracker()
-    total = lambda kind: sum(snap["Total"] for snap in tracker.get_tracker_snapshot(kind).values())
-    with tracker:
-        run = _Run(name, cfg, mesh)
-        if run.zero3:
-            run.zero3._comm.shutdown()
-            run.zero3._comm = _Inline()
-        run.forward(x, y).backward()  # a first step makes the optimizer state; peaks are the same
-                                      #   from the second on
-        run.step()
-        tracker.reset_mod_stats()  # MemTracker refuses a second forward of a module otherwise
-        # the peak of the second step only
-        tracker._peak_mem.clear(), tracker._peak_mem_snap.clear()
-        storages, hooks = _watch_parameter_storages(run.model)
-        loss = run.forward(x, y)
-        after_forward = total("current")
-        gathered = sum(st.nbytes() for st in (ref() for ref in storages.values()) if st is not None)
-        loss.backward()
-        del loss
-        run.step()
-        time.sleep(0.05)  # gloo's worker thread drops its reference to a
-                          #   finished collective's tensors
-        dist.barrier()    # a moment after the caller's wait returns: let it,
-                          #   or "between" may count them
-        out = dict(peak=total("peak"), after_forward=after_forward, between=total("current"),
-                   gathered=gathered)
-    for hook in hooks:
-        hook.remove()
-    run.close()
-    del run
-    gc.collect()
-    return out
-
-
-def _watch_parameter_storages(model):
-    """Weak references to the storages every module's parameters have while it runs its forward.
-
-    Read after forward: the full parameters still held then (gathered ones that were not freed, or
-    were freed in name only, and any that are never sharded), whatever the implementation."""
-    storages = {}
-
-    def note(module, args):
-        for p in module.parameters(recurse=False):
-            st = (p.to_local() if isinstance(p, DTensor) else p).untyped_storage()
-            if st.nbytes():
-                storages.setdefault(st.data_ptr(), weakref.ref(st))
-
-    hooks = [m.register_forward_pre_hook(note) for m in model.modules()
-             if any(True for _ in m.parameters(False))]
-    return storages, hooks
-
-
-def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory: bool) -> dict:
+def worker(model: str, batches: tuple, bucket_mb: float, sets, reps: int, warmup: int,
+           threads: int, tools) -> dict:
     """On every rank: {"step", "opt": {variant: [seconds of each timed step, of its run.step()]},
-    "losses": {variant: [loss of every step]}, "memory": {variant:
-    _measure_memory's} (if memory)}."""
+    "losses": {variant: [loss of every step]}, "memory": {variant: {tool: measure_memory's}} (no
+    tools: none)}. batches: sequences per rank, (fp32, bf16)."""
     # FSDP2 on our logits: no in-place
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     # MemTracker on None grads
@@ -210,21 +124,26 @@ def worker(model: str, batch: int, reps: int, warmup: int, threads: int, memory:
 
     cfg = GPTConfig.preset(model)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    x, y = data.global_batch("synthetic", 0, batch * world, cfg.seq_len, cfg.vocab_size)
-    x, y = data.shard(x, rank, world), data.shard(y, rank, world)
-    mem = {name: _measure_memory(name, cfg, mesh, x, y) for name in VARIANTS} if memory else {}
-    runs = {name: _Run(name, cfg, mesh) for name in VARIANTS}
-    step, opt = {name: [] for name in VARIANTS}, {name: [] for name in VARIANTS}
-    losses = {name: [] for name in VARIANTS}
+    device_mesh, mesh = init_device_mesh("cpu", (world,)), Mesh.build(dp=world)
+    inputs = {}
+    for batch in set(batches):
+        xy = data.global_batch("synthetic", 0, batch * world, cfg.seq_len, cfg.vocab_size)
+        inputs[batch] = [data.shard(t, rank, world) for t in xy]
+    names = variants(sets)
+    batch = {name: batch_of(name, *batches) for name in names}
+    build = lambda name: Run(name, cfg, mesh, device_mesh, bucket_mb, batch[name])
+    mem = {name: {tool: measure_memory(lambda: build(name), *inputs[batch[name]], tool)
+                  for tool in tools} for name in names}
+    runs = {name: build(name) for name in names}
+    step, opt, losses = ({name: [] for name in names} for _ in range(3))
     for i in range(warmup + reps):
-        k = i % len(VARIANTS)
-        for name in VARIANTS[k:] + VARIANTS[:k]:
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
             run = runs[name]
             dist.barrier()
             start = time.perf_counter()
-            loss = run.forward(x, y)
-            loss.backward()
+            loss = run.forward(*inputs[batch[name]])
+            run.backward(loss)
             backward_done = time.perf_counter()
             run.step()
             end = time.perf_counter()
@@ -246,34 +165,43 @@ def run(args=None, out_dir=RESULTS, **overrides) -> str:
     run(args, out_dir) with parsed arguments (bench/run.py), or
     run(worlds=(2,), reps=4) from Python.
     """
-    import zero_report as report  # here, not at the top: it reads VARIANTS from this module
+    import zero_report as report
 
     s = common.settings(DEFAULTS, args, overrides)
+    sets = tuple(s["sets"])
     out_dir, since = common.start(out_dir)
-    def run(world: int, i: int) -> list:  # one launch of `world` ranks
-        return minipar.launch(worker, world, s["model"], s["batch"], s["reps"], s["warmup"],
-                              s["threads"], i == 0, timeout=1800)
 
-    launches = common.launch_rounds(s["worlds"], s["launches"], run)
-    rows = [row for world, runs in launches.items() for row in report.summarise(world, runs)]
-    md = report.table(rows)
-    verdict = report.verdicts(rows)
+    def tools(world: int, i: int) -> tuple:  # memory at the first launch; the check at one world
+        return tuple(s["tools"][:1 if world != s["worlds"][0] else None]) if i == 0 else ()
+
+    def launch(world: int, i: int) -> list:  # one launch of `world` ranks
+        return minipar.launch(worker, world, s["model"], (s["batch"], s["bf16_batch"]),
+                              s["bucket_mb"], sets, s["reps"], s["warmup"], s["threads"],
+                              tools(world, i), timeout=1800)
+
+    launches = common.launch_rounds(s["worlds"], s["launches"], launch)
+    rows = [row for world, runs in launches.items() for row in report.summarise(world, runs, sets)]
     cfg = GPTConfig.preset(s["model"])
-    command = (f"python bench/run.py zero --worlds {' '.join(map(str, s['worlds']))} --model "
-               f"{s['model']} "
-               f"--batch {s['batch']} --reps {s['reps']} --warmup {s['warmup']} --launches "
-               f"{s['launches']} "
-               f"--threads {s['threads']}")
+    md, verdict = report.table(rows), report.verdicts(rows)
+    terms = report.gradient_term(rows, cfg)
+    command = (f"python bench/run.py zero --worlds {' '.join(map(str, s['worlds']))} "
+               f"--model {s['model']} --batch {s['batch']} --bf16-batch {s['bf16_batch']} "
+               f"--bucket-mb {s['bucket_mb']:g} --sets {' '.join(sets)} "
+               f"--tools {' '.join(s['tools'])} --reps {s['reps']} --warmup {s['warmup']} "
+               f"--launches {s['launches']} --threads {s['threads']}")
     setup = (f"Model `{s['model']}`: {cfg.num_params:,} parameters "
-             f"({4 * cfg.num_params / 2**20:.1f} MiB in fp32, "
-             f"P below); {s['batch']} x {cfg.seq_len} tokens per rank.")
+             f"({4 * cfg.num_params / 2**20:.1f} MiB in fp32, P below); {s['batch']} x "
+             f"{cfg.seq_len} tokens per rank ({s['bf16_batch']} x {cfg.seq_len} in bf16); "
+             f"buckets of {s['bucket_mb']:g} MiB (minipar's bucketed variants, DDP's "
+             "bucket_cap_mb).")
     (out_dir / "zero.md").write_text(
-        "# ZeRO: minipar vs FSDP2 and ZeroRedundancyOptimizer (gloo), "
-        f"fp32\n\n{__doc__.strip()}\n\n{setup}\n\n"
-        f"{md}\n\n{verdict}\n\n{report.findings(rows, cfg)}![step time and memory](zero.png)\n\n"
-        f"{common.footer(s['threads'], since, command)}")
+        "# ZeRO and mixed-precision DP: minipar vs FSDP2, DDP and ZeroRedundancyOptimizer "
+        f"(gloo)\n\n{__doc__.strip()}\n\n{setup}\n\n{md}\n\n{report.flags(rows)}"
+        f"{verdict}\n\n{terms}\n\n{report.bucket_findings(rows, cfg, s['bucket_mb'])}"
+        f"{report.findings(rows, cfg)}"
+        f"![step time and memory](zero.png)\n\n{common.footer(s['threads'], since, command)}")
     report.plot(rows, s, out_dir / "zero.png")
-    return f"{setup}\n\n{md}\n\n{verdict}"
+    return f"{setup}\n\n{md}\n\n{report.flags(rows)}{verdict}\n\n{terms}"
 
 
 if __name__ == "__main__":  # python bench/zero.py [options], the same as python

@@ -1,82 +1,126 @@
 """The tables and plots of bench/zero.py's results: what its run() makes of the workers' times,
-losses and memory (rows, verdicts, where ZeRO-3's extra memory comes from, plot)."""
+losses and memory (rows, flags, verdicts, ZeRO-2's gradient saving, where ZeRO-3's extra memory
+comes from, plot)."""
 from __future__ import annotations
 
 import statistics
 
 import common  # bench/ is on sys.path
-from zero import PEER, VARIANTS
+from zero_variants import SETS, peer_of, variants
 
 from minipar.lessons import demos
 from minipar.model import GPTConfig
 
-GOAL = {"fsdp2": 1.25, "ddp+zero-r": 1.10}  # the project's step-time goals, by peer
+GOAL = {"fsdp2": 1.25}  # the project's step-time goals, by peer; 1.10 for the others
+MIB = 2**20
 
 
-def summarise(world: int, runs: list[list[dict]]) -> list[dict]:
+def summarise(world: int, runs: list[list[dict]], sets) -> list[dict]:
     """One row per variant from every launch (runs[launch][rank] = worker's result)."""
     slowest = [demos.slowest_rank(by_rank) for by_rank in runs]
     memory = [rank["memory"] for rank in runs[0]]  # first launch, by rank
     rows = []
-    for name in VARIANTS:
-        peer = PEER[name]
+    for name in variants(sets):
+        peer, floor = peer_of(name, sets), name.startswith("local")
         steps = [t for launch in slowest for t in launch[name]]
-        loss_diff = max(abs(a - b) / abs(b) for by_rank in runs for rank in by_rank
-                        for a, b in zip(rank["losses"][name], rank["losses"][peer]))
-        first_equal = all(rank["losses"][name][0] == rank["losses"][peer][0]
-                          for by_rank in runs for rank in by_rank)
-        fullest = lambda key, v=name: max(m[v][key] for m in memory)
+        rel = lambda a, b: abs(a - b) / abs(b)
+        pairs = [(rank["losses"][name], rank["losses"][peer]) for by_rank in runs
+                 for rank in by_rank]
+        tools = list(memory[0][name])  # the first gives the memory columns; a second, a check
+        fullest = lambda key, v=name, tool=tools[0]: max(m[v][tool][key] for m in memory)
+        q1, _, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else (steps[0],) * 3
         rows.append(dict(
-            world=world, variant=name, peer=peer, step=statistics.median(steps),
-                         **common.ratios(slowest, name, peer),
+            world=world, variant=name, peer=peer, floor=floor, step=statistics.median(steps),
+            q1=q1, q3=q3, **common.ratios(slowest, name, peer),
             opt=statistics.median(t for by_rank in runs for rank in by_rank
                                   for t in rank["opt"][name]),
             peak=fullest("peak"), after_forward=fullest("after_forward"),
-                         between=fullest("between"),
-            gathered=fullest("gathered"),
-            peak_ratio=fullest("peak") / max(m[peer]["peak"] for m in memory),
-            first_loss=runs[0][0]["losses"][name][0], first_equal=first_equal, loss_diff=loss_diff,
-            reps=len(steps)))
+            between=fullest("between"), gathered=fullest("gathered"),
+            exact=all(m[name][tools[0]]["exact"] for m in memory), tool=tools[0],
+            check=fullest("peak", tool=tools[1]) if len(tools) > 1 else None,
+            peak_ratio=fullest("peak") / fullest("peak", peer),
+            first_diff=max(rel(ours[0], theirs[0]) for ours, theirs in pairs),
+            loss_diff=max(rel(a, b) for ours, theirs in pairs for a, b in zip(ours, theirs)),
+            first_loss=runs[0][0]["losses"][name][0], reps=len(steps)))
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    mib = lambda b: f"{b / 2**20:.1f}"
-    lines = ["| world | variant | step (ms) | / peer | per launch | in step() (ms) | peak memory "
-             "(MiB) | / peer "
-             "| after forward (MiB) | between steps (MiB) | full params held after forward (MiB) | "
-             "first loss = peer "
-             "| loss rel. diff (all steps) | reps |", "|" + "---|" * 14]
+    mib = lambda b: f"{b / MIB:.1f}"
+    lines = ["| N | variant | peer | step (ms): median [IQR] | / peer | per launch | in step() "
+             "(ms) | peak (MiB) | / peer | after forward (MiB) | between steps (MiB) | full "
+             "params after forward (MiB) | peak by MemTracker (MiB) | loss vs peer: 1st step "
+             "(all) | reps |", "|" + "---|" * 15]
     for r in rows:
-        is_peer = r["variant"] == r["peer"]
-        ratio, spread, peak_ratio, same, diff = ("(peer)", "—", "(peer)", "—",
-                                                 "—") if is_peer else (
+        mark = "(floor)" if r["floor"] else "(peer)" if r["variant"] == r["peer"] else None
+        ratio, spread, peak_ratio, loss = (mark, "—", mark, "—") if mark else (
             f"**{r['ratio']:.2f}**", f"{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}",
-                                                                       f"**{r['peak_ratio']:.2f}**",
-            "yes" if r["first_equal"] else "NO", f"{r['loss_diff']:.1e}")
-        lines.append(f"| {r['world']} | {r['variant']} | {r['step'] * 1e3:.1f} | {ratio} | "
-                     f"{spread} "
-                     f"| {r['opt'] * 1e3:.1f} | {mib(r['peak'])} | {peak_ratio} | "
-                     f"{mib(r['after_forward'])} "
-                     f"| {mib(r['between'])} | {mib(r['gathered'])} "
-                     f"| {same} ({r['first_loss']:.6f}) | {diff} | {r['reps']} |")
+            f"**{r['peak_ratio']:.2f}**", f"{r['first_diff']:.0e} ({r['loss_diff']:.0e})")
+        lines.append(
+            f"| {r['world']} | {r['variant']} | {'—' if mark else r['peer']} "
+            f"| {r['step'] * 1e3:.1f} [{r['q1'] * 1e3:.0f}–{r['q3'] * 1e3:.0f}] | {ratio} "
+            f"| {spread} | {r['opt'] * 1e3:.1f} | {mib(r['peak'])}{'' if r['exact'] else '*'} "
+            f"| {peak_ratio} | {mib(r['after_forward'])} | {mib(r['between'])} "
+            f"| {mib(r['gathered'])} | {'—' if r['check'] is None else mib(r['check'])} "
+            f"| {loss} | {r['reps']} |")
     return "\n".join(lines)
+
+
+def flags(rows: list[dict]) -> str:
+    """Warnings about the run itself: a variant faster than its no-communication floor (noise
+    larger than the differences), a peak that is not exactly the steady step's."""
+    out = []
+    for r in rows:
+        floor = next((f for f in rows if f["world"] == r["world"] and f["floor"]
+                      and f["variant"] == ("local-bf16" if "bf16" in r["variant"] else "local")),
+                     None)
+        if floor and not r["floor"] and r["step"] < floor["step"]:
+            out.append(f"**Flag**: at N = {r['world']}, {r['variant']}'s median step "
+                       f"({r['step'] * 1e3:.1f} ms) is below the floor's, {floor['variant']} "
+                       f"({floor['step'] * 1e3:.1f} ms), which does no communication: noise "
+                       "larger than the differences.")
+        if not r["exact"]:
+            out.append(f"**Flag**: at N = {r['world']}, {r['variant']}: a moment before the "
+                       "measured step was fuller than its peak (*), which is then read off the "
+                       "tracker's timeline samples (a threaded variant's peak depends on when its "
+                       "communication thread finishes).")
+    return "\n".join(out) + "\n\n" if out else ""
 
 
 def verdicts(rows: list[dict]) -> str:
     out = []
     for r in rows:
-        if r["variant"] == r["peer"]:
+        if r["floor"] or r["variant"] == r["peer"]:
             continue
-        goal = GOAL[r["peer"]]
-        out.append(f"Goal, {r['variant']} step within {goal:.2f}x of {r['peer']}'s at N = "
-                   f"{r['world']}: "
-                   f"{'met' if r['ratio'] <= goal else 'NOT met'} (median ratio {r['ratio']:.2f}).")
-        if r["peer"] == "fsdp2":
-            out.append(f"Goal, {r['variant']} peak memory per rank no higher than fsdp2's at N = "
-                       f"{r['world']}: "
-                       f"{'met' if r['peak_ratio'] <= 1.0 else 'NOT met'} (ratio "
-                       f"{r['peak_ratio']:.2f}).")
+        goal, at = GOAL.get(r["peer"], 1.10), f"{r['peer']}'s at N = {r['world']}"
+        simple = " (the simple version)" if r["variant"].endswith("/naive") else ""
+        out.append(f"Goal, {r['variant']}{simple} step within {goal:.2f}x of {at}: "
+                   f"{'met' if r['ratio'] <= goal else 'NOT met'} (median ratio "
+                   f"{r['ratio']:.2f}, per launch {r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}); "
+                   f"peak memory no higher: {'met' if r['peak_ratio'] <= 1.0 else 'NOT met'} "
+                   f"(ratio {r['peak_ratio']:.2f}, "
+                   f"{(r['peak'] - _peer(rows, r)['peak']) / MIB:+.1f} MiB).")
+    return "\n".join(out)
+
+
+def _peer(rows: list[dict], r: dict) -> dict:
+    return next(p for p in rows if p["world"] == r["world"] and p["variant"] == r["peer"])
+
+
+def gradient_term(rows: list[dict], cfg: GPTConfig) -> str:
+    """ZeRO-2's measured peak against ZeRO-1's, beside the paper's gradient term (1 - 1/N) * G."""
+    grads = 4 * cfg.num_params  # fp32 gradients: 4 bytes a parameter
+    out = []
+    for world in sorted({r["world"] for r in rows}):
+        got = {r["variant"]: r["peak"] for r in rows if r["world"] == world}
+        term = (1 - 1 / world) * grads / MIB
+        for mode in ("bucketed", "naive"):
+            one, two = got.get(f"zero1/{mode}"), got.get(f"zero2/{mode}")
+            if one is not None and two is not None:
+                out.append(f"N = {world}, {mode}: ZeRO-2 peak below ZeRO-1 by "
+                           f"{(one - two) / MIB:.1f} MiB; the paper's gradient term (1 - 1/N) * G "
+                           f"= {term:.1f} MiB (G = {grads / MIB:.1f} MiB: fp32 gradients, 4 bytes "
+                           f"a parameter).")
     return "\n".join(out)
 
 
@@ -85,7 +129,7 @@ def findings(rows: list[dict], cfg: GPTConfig) -> str:
     full, block = 4 * cfg.num_params, 4 * (12 * cfg.d_model ** 2 + 12 * cfg.d_model)
     out, leaks = [], False
     for r in rows:
-        if r["peer"] != "fsdp2" or r["variant"] == "fsdp2" or r["peak_ratio"] <= 1.0:
+        if r["peer"] != "fsdp2" or r["variant"] == "fsdp2" or r["floor"] or r["peak_ratio"] <= 1.0:
             continue
         peer = next(p for p in rows if p["world"] == r["world"] and p["variant"] == "fsdp2")
         leaks |= r["gathered"] > peer["gathered"] + block
@@ -115,33 +159,61 @@ def findings(rows: list[dict], cfg: GPTConfig) -> str:
             "the /minipar collectives also keep the ring's receive space.\n\n")
 
 
+def bucket_findings(rows: list[dict], cfg: GPTConfig, bucket_mb: float) -> str:
+    """Where ZeRO-1/2's (bucketed) extra peak over its peer comes from, beside what the design
+    holds: the reduced gradient shards (G/N) and the ring's receive space ((N-1)/N of a bucket)
+    persist between steps; up to two full buckets and a landing shard live in backward."""
+    grads, bucket, out = 4 * cfg.num_params, bucket_mb * MIB, []
+    for r in rows:
+        if r["floor"] or r["variant"] not in ("zero1/bucketed", "zero2/bucketed", "zero2-bf16/"
+                                              "minipar") or r["peak_ratio"] <= 1.0:
+            continue
+        p, n, f = _peer(rows, r), r["world"], lambda b: f"{b / MIB:.1f}"
+        sharded = "" if r["variant"] != "zero2/bucketed" else (
+            f"; {r['peer']} holds instead a sharded copy of the parameters (fp32, "
+            f"{f(grads / n)}), which minipar's ZeRO-2 does not (its shard is a view)")
+        out.append(
+            f"- N = {n}, {r['variant']}: peak {(r['peak'] - p['peak']) / MIB:+.1f} MiB over "
+            f"{r['peer']}; after forward {(r['after_forward'] - p['after_forward']) / MIB:+.1f} "
+            f"MiB: it holds its reduced gradient shards (G/N = {f(grads / n)}) and the ring's "
+            f"receive space ((N-1)/N x bucket = {f((n - 1) / n * bucket)}) from step to step"
+            f"{sharded}; in backward its total rises {f(r['peak'] - r['after_forward'])} MiB "
+            f"above that, {r['peer']}'s {f(p['peak'] - p['after_forward'])}"
+            + (f" (ZeRO-2: up to two full buckets and a landing shard, 2B + B/N = "
+               f"{f((2 + 1 / n) * bucket)})." if "zero2" in r["variant"] else "."))
+    return "Where minipar's ZeRO-1/2 extra memory comes from:\n" + "\n".join(out) + "\n\n" \
+        if out else ""
+
+
 def plot(rows: list[dict], s: dict, path) -> None:
-    """Step time and peak memory by variant and world (memory: the
-    part held between steps hatched)."""
+    """Step time and peak memory by variant (memory: the part held between steps hatched), a row
+    of panels per world, the variants coloured by the set they are first in."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.4))
-    worlds, width = list(s["worlds"]), 0.8 / len(VARIANTS)
-    for i, name in enumerate(VARIANTS):
-        x = np.arange(len(worlds)) + (i - (len(VARIANTS) - 1) / 2) * width
-        by = [next(r for r in rows if r["world"] == w and r["variant"] == name) for w in worlds]
-        ax_t.bar(x, [r["step"] * 1e3 for r in by], width, label=name, color=f"C{i}")
-        ax_m.bar(x, [r["peak"] / 2**20 for r in by], width, label=name, color=f"C{i}")
-        ax_m.bar(x, [r["between"] / 2**20 for r in by], width, color="none", edgecolor="k",
-                 hatch="//", lw=0.5)
-    for ax, label, title in ((ax_t, "step time (ms, median)", "training step"),
-                             (ax_m, "MiB per rank (fullest rank)", "peak memory (hatched: held "
-                                                                   "between steps)")):
-        ax.set_xticks(range(len(worlds)), [f"N = {w}" for w in worlds])
-        ax.set(ylabel=label, title=title)
-        ax.grid(axis="y", alpha=0.3)
-    fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=len(VARIANTS),
-               fontsize=8)
-    fig.suptitle(f"minipar ZeRO vs PyTorch (FSDP2, ZeroRedundancyOptimizer + DDP): {s['model']}, "
-                 f"{s['batch']} sequences per rank, gloo")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=120)
+    worlds = list(s["worlds"])
+    names = variants(s["sets"])
+    colour = {v: f"C{i}" for i, set_ in reversed(list(enumerate(s["sets"]))) for v in SETS[set_][1]}
+    fig, axes = plt.subplots(len(worlds), 2, figsize=(13, 0.32 * len(names) * len(worlds) + 1.4),
+                             squeeze=False)
+    for (ax_t, ax_m), world in zip(axes, worlds):
+        by = [next(r for r in rows if r["world"] == world and r["variant"] == n) for n in names]
+        y = range(len(names))[::-1]
+        colours = [colour[n] for n in names]
+        ax_t.barh(y, [r["step"] * 1e3 for r in by], color=colours,
+                  xerr=[[(r["step"] - r["q1"]) * 1e3 for r in by],
+                        [(r["q3"] - r["step"]) * 1e3 for r in by]])
+        ax_m.barh(y, [r["peak"] / MIB for r in by], color=colours)
+        ax_m.barh(y, [r["between"] / MIB for r in by], color="none", edgecolor="k", hatch="//",
+                  lw=0.5)
+        for ax, label in ((ax_t, "step time (ms): median, IQR"),
+                          (ax_m, "peak MiB per rank (hatched: held between steps)")):
+            ax.set_yticks(list(y), names, fontsize=8)
+            ax.set(xlabel=label, title=f"N = {world}")
+            ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"minipar ZeRO and bf16 DP vs PyTorch: {s['model']}, {s['batch']} sequences per "
+                 f"rank ({s['bf16_batch']} in bf16), gloo")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
