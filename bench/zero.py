@@ -52,12 +52,10 @@ then a third is measured. "peak" is the largest total of live storages during th
 forward" the total just before backward, "between steps" what is still held after zero_grad.
 "full params after forward": the bytes of the storages that the parameters of each module had
 while it ran forward that are still alive when forward ends (weak references taken by forward
-pre-hooks): gathered parameters not yet freed, and anything not sharded. One change to the tracker,
-made here: an op on DTensors (FSDP2's sharded parameters, gradients and optimizer state) is left to
-DTensor, which runs it as ops on the local shards that the tracker then sees. As it is, minipar's
-tracker registers the DTensor's own storage instead, which holds no data and whose nbytes() is the
-global (unsharded) size, and never sees the local tensors: it put FSDP2's optimizer state at N
-times its size. PyTorch's MemTracker (torch.distributed._tools.mem_tracker), which does the same,
+pre-hooks): gathered parameters not yet freed, and anything not sharded. The tracker leaves an op
+on DTensors (FSDP2's sharded parameters, gradients and optimizer state) to DTensor and sees it run
+on the local shards (a DTensor's own storage holds no data, yet reads the global size). PyTorch's
+MemTracker (torch.distributed._tools.mem_tracker), which does the same,
 measures every variant a second time at the first world size, as a check ("peak by MemTracker").
 A dispatch mode sees the thread it was entered on: minipar's communication threads allocate
 nothing (what they write is allocated on the main thread first), and PyTorch's peers run every

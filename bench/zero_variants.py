@@ -1,6 +1,6 @@
 """The variants bench/zero.py compares: how each is built, its step, and the memory of one steady
 step, measured the same way for every variant: by minipar.tracker.Tracker (ops on DTensors left to
-DTensor, see `_LocalWatch`), or as a check by PyTorch's MemTracker."""
+DTensor, which it sees run on the local shards), or as a check by PyTorch's MemTracker."""
 from __future__ import annotations
 
 import contextlib
@@ -10,9 +10,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from minipar import tracker as tracker_module
 from minipar.config import ParallelConfig
 from minipar.model import GPT, cross_entropy
 from minipar.parallelize import parallelize
@@ -130,29 +128,9 @@ def _zero_redundancy(adamw: torch.optim.Optimizer):
         optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS)
 
 
-class _LocalWatch(tracker_module._Watch):
-    """minipar's tracker's dispatch mode, but an op on DTensors (FSDP2's sharded parameters,
-    gradients and optimizer state) is left to DTensor, which runs it as ops on the local shards
-    that the mode then sees (as PyTorch's MemTracker does). minipar's own mode registers the
-    DTensor's storage instead, which holds no data and whose nbytes() is the *global* size, and
-    never sees the local tensors."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 class _Tracker(Tracker):
-    """minipar.tracker.Tracker with `_LocalWatch` as its mode; the steady step's peak from its
-    timeline."""
-
-    def __enter__(self):
-        super().__enter__()
-        self._mode.__exit__(None, None, None)
-        self._mode = _LocalWatch(self)
-        self._mode.__enter__()
-        return self
+    """minipar.tracker.Tracker (it leaves DTensor ops to DTensor, seeing their local shards); the
+    steady step's peak from its timeline."""
 
     def total(self) -> int:
         return sum(self.current.values())
