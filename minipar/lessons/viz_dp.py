@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 def step_spans(spans: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
     """Cut one rank's spans ((what, start, end), any order) into training steps.
 
-    A step ends with its "wait" span (the time blocked in `DataParallelNaive.finish()`); the spans
+    A step ends with its "wait" span (the time blocked in `GradBuckets.finish()`); the spans
     that start after the previous step's wait ended belong to it. Returns the steps in order, each
     sorted by start time.
     """
@@ -30,20 +30,23 @@ _COMPUTE = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52"}
 
 
 def compute_and_comm(runs: dict[str, list[list[tuple[str, float, float]]]],
-                     title: str = "compute and communication") -> Figure:
+                     title: str = "compute and communication",
+                     comm_label: str = "all-reduce") -> Figure:
     """Per-rank Gantt chart, one panel per run ({label: spans by rank}), on one time axis.
 
-    Spans are (what, start, end) in perf_counter seconds, as `DataParallelNaive.spans` records them.
-    Each rank has two rows: "compute" (forward, backward, and "wait", the time blocked in finish()
-    on communication backward did not hide, hatched) and "comm" (every all-reduce: "bucket i" or, in
-    naive mode, "all-reduce"; neighbours alternate in shade). Times
-    count from each run's first span.
+    Spans are (what, start, end) in perf_counter seconds, as `GradBuckets.spans` records them
+    (TrainResult.spans). Each rank has two rows: "compute" (forward, backward, and "wait", the time
+    blocked in finish() on communication backward did not hide, hatched) and "comm" (every
+    collective, "bucket i": DP's all-reduces, ZeRO-1/2's reduce-scatters, as `comm_label` names
+    them in the legend; neighbours alternate in shade). Times count from each run's first span.
     """
     fig, axes = plt.subplots(len(runs), 1,
                              figsize=(10, 0.5 + 1.1 * sum(len(r) for r in runs.values())),
                              sharex=True, squeeze=False, layout="constrained")
+    longest = 0.0  # ms: the shared axis ends with the longest run
     for ax, (label, ranks) in zip(axes[:, 0], runs.items()):
         t0 = min(start for spans in ranks for _, start, _ in spans)
+        longest = max(longest, max((end - t0) * 1e3 for spans in ranks for *_, end in spans))
         ticks = []
         for r, spans in enumerate(ranks):
             y_compute, y_comm = 2 * r, 2 * r + 1
@@ -59,14 +62,14 @@ def compute_and_comm(runs: dict[str, list[list[tuple[str, float, float]]]],
                             color=_COMPUTE[what], hatch="//" if what == "wait" else None,
                             edgecolor="white", lw=0.3)
         ax.set_yticks(*zip(*ticks), fontsize=8)
-        ax.set_xlim(left=0)
         ax.invert_yaxis()
         ax.set_title(label, fontsize=10, loc="left")
         ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, hatch="//" if k == "wait" else None, ec="white")
                for k, c in _COMPUTE.items()] + [plt.Rectangle((0, 0), 1, 1, color="#55A868")]
-    axes[0, 0].legend(handles, ["forward", "backward", "wait (blocked in finish)", "all-reduce"],
+    axes[0, 0].legend(handles, ["forward", "backward", "wait (blocked in finish)", comm_label],
                       fontsize=8, ncols=4, loc="lower right", bbox_to_anchor=(1.0, 1.0))
+    axes[-1, 0].set_xlim(0, longest * 1.01)
     axes[-1, 0].set_xlabel("time (ms)")
     fig.suptitle(title)
     return fig

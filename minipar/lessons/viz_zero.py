@@ -1,6 +1,8 @@
-"""Plots for lesson 03 (ZeRO): model states against N_d, and stage 3's gathers over a step.
+"""Plots for lesson 03 (ZeRO): model states against N_d, memory over a step, stage 3's gathers.
 
     zero_stages(table)    model states per device against N_d, per ZeRO stage (the paper's Table I)
+    step_memory(...)      live bytes by category over one training step, one panel per layout
+                          (lessons 01 and 02 draw their steps with it too)
     gather_timeline(...)  ZeRO-3's gathers and frees over one step, and the gathered bytes held
 """
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+
+from minipar.memory import CATEGORIES
 
 
 def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | None = None,
@@ -32,6 +36,59 @@ def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | No
     ax.set(ylabel="GB per device", title=title)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def held_peak(timeline: list) -> tuple[int, int]:
+    """(index in `timeline`, bytes) of its fullest sample without "temporaries": the "held" peak
+    (the first of equals, as the Tracker keeps it). timeline: Tracker.timeline, as
+    TrainResult.memory_timelines[rank] gives it."""
+    held = [sum(v for c, v in live.items() if c != "temporaries") for _, _, live in timeline]
+    i = held.index(max(held))
+    return i, held[i]
+
+
+def step_memory(timelines: dict[str, list], predicted: dict | None = None, ncols: int = 3,
+                title: str = "memory over one training step") -> Figure:
+    """One training step's live bytes by category, stacked (MiB), one panel per layout ({label:
+    timeline}, each a Tracker.timeline: [(event, phase, {category: bytes})]), against the event
+    index (each allocation, free or phase change is an event); "temporaries" (autograd's and the
+    optimizer's scratch) on top, grey. The phases are marked; a white dot is the measured "held"
+    peak (every category but temporaries); predicted ({label: total bytes}, None or absent where
+    there is no prediction) is a dashed black line. The panels share the y axis."""
+    colours = dict(zip(CATEGORIES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colours["temporaries"] = "#BBBBBB"
+    rows = -(-len(timelines) // ncols)
+    cols = min(ncols, len(timelines))
+    fig, axes = plt.subplots(rows, cols, figsize=(0.8 + 3.6 * cols, 0.6 + 2.6 * rows), sharey=True,
+                             squeeze=False, layout="constrained")
+    for ax, (label, timeline) in zip(axes.flat, timelines.items()):
+        events = [e for e, _, _ in timeline]
+        order = [c for c in (*CATEGORIES, "temporaries") if c in timeline[0][2]]
+        stacks = [[live[c] / 2**20 for _, _, live in timeline] for c in order]
+        ax.stackplot(events, stacks, colors=[colours[c] for c in order], step="post", lw=0)
+        for k, (e, phase, _) in enumerate(timeline):
+            if phase and (k == 0 or timeline[k - 1][1] != phase):
+                ax.axvline(e, color="k", lw=0.6, ls=":")
+                ax.text(e, 1.0, f" {phase}", transform=ax.get_xaxis_transform(), fontsize=7,
+                        va="top")
+        i, held = held_peak(timeline)
+        ax.plot(events[i], held / 2**20, "o", mfc="white", mec="k", ms=5)
+        if predicted and predicted.get(label) is not None:
+            ax.axhline(predicted[label] / 2**20, color="k", ls="--", lw=0.9)
+        ax.set_title(f"{label}: held peak {held / 2**20:.2f} MiB", fontsize=9, loc="left")
+        ax.set_xlabel("event", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(timelines):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("MiB live")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[c]) for c in (*CATEGORIES, "temporaries")]
+    handles += [plt.Line2D([], [], marker="o", mfc="white", mec="k", ls=""),
+                plt.Line2D([], [], color="k", ls="--", lw=0.9)]
+    fig.legend(handles, [*CATEGORIES, "temporaries", "measured held peak", "predicted held peak"],
+               fontsize=7, loc="outside lower center", ncols=8)
+    fig.suptitle(title)
     return fig
 
 
