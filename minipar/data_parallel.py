@@ -5,7 +5,7 @@ Where a gradient lives, for DP and for ZeRO-1/2 alike (`GradBuckets`): as soon a
 parameter's gradient, a hook adds it into the parameter's slice of a flat *bucket* and frees it
 (Megatron-LM's "main grads"). The bucket's dtype is the gradient dtype chosen: fp32 under mixed
 precision, so that micro-batch gradients accumulate in fp32, the mixed-precision paper's third trick
-(Micikevicius et al. 2018, sec. 3.2), and the reduction sums in fp32. After the reduction the
+(Micikevicius et al. 2018, sec. 3.3), and the reduction sums in fp32. After the reduction the
 optimizer's parameters (the model's, or the fp32 masters) get views of the bucket as their .grad:
 no second copy of the gradients (DDP's `gradient_as_bucket_view`).
 

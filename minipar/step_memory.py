@@ -43,6 +43,9 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     b, m = par.dp_rows(global_batch)[rank] // par.microbatches, par.microbatches
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     freed = s * b * h * memory.element_bytes(par.precision) + 4 * s * b * V + 4 + 8 * s * b
+    mixed = par.precision in ("bf16", "fp16")
+    if par.zero == 0 and par.dp == 1 and not (mixed and par.reduce_fp32):
+        tally["grads"] = 0  # no buckets: autograd's .grad come and go in backward (temporaries)
     moments = {"forward": dict(tally)}
     if par.zero == 2 and par.dp_mode == "bucketed":
         return _zero2_peak(cfg, par, global_batch, rank, tally)
@@ -52,7 +55,6 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
             moments["forward"]["grads"] += flat
         moments["backward"] = dict(tally, activations=tally["activations"] - freed,
                                    grads=tally["grads"] + flat)
-    mixed = par.precision in ("bf16", "fp16")
     if par.zero == 0 and mixed and not par.reduce_fp32:  # the fp32 master gradients
         psi = memory.tp_params(cfg)
         moments["step"] = dict(tally, activations=0, grads=tally["grads"] + 4 * psi)
