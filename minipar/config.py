@@ -151,6 +151,18 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp
 
     @property
+    def bucket_bytes(self) -> int | None:
+        """bucket_mb in bytes for dp_mode "bucketed"; None for "naive" (data_parallel.split)."""
+        return int(self.bucket_mb * 2**20) if self.dp_mode == "bucketed" else None
+
+    @property
+    def reductions(self) -> int:
+        """Times a step reduces each gradient bucket (ZeRO-3: unit): every micro-batch in bucketed
+        ZeRO-2 and in ZeRO-3, else once (DP and ZeRO-1 accumulate first)."""
+        every = self.zero == 3 or (self.zero == 2 and self.dp_mode == "bucketed")
+        return self.microbatches if every else 1
+
+    @property
     def label(self) -> str:
         """The fields that differ from the defaults, e.g. "dp=2 microbatches=4"
         ("single process" if none)."""

@@ -294,7 +294,7 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
                 "comm": per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)}
     params = params or [psi]
     naive = par.dp_mode == "naive"
-    groups = split(params, None if naive else int(par.bucket_mb * 2**20), g)
+    groups = split(params, par.bucket_bytes, g)
     buckets = [sum(params[i] for i in b) for b in groups]
     if stage == 0:  # the buckets are the gradients; naive: one per parameter
         largest = max(params) if naive else max(buckets)

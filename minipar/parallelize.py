@@ -181,11 +181,6 @@ def grad_dtype(par: ParallelConfig) -> torch.dtype:
     return torch.float32 if mixed and par.reduce_fp32 else DTYPES[par.precision]
 
 
-def bucket_bytes(par: ParallelConfig) -> int | None:
-    """par.bucket_mb in bytes for dp_mode "bucketed", None for "naive"."""
-    return int(par.bucket_mb * 2**20) if par.dp_mode == "bucketed" else None
-
-
 def apply_zero(model: torch.nn.Module, par: ParallelConfig, mesh: Mesh, lr: float,
                weight_decay: float, scaler: LossScaler | None, stats: CommStats | None):
     """ZeRO stage par.zero over the DP group: shards `model`'s parameters (fp32 masters of the shard
@@ -196,7 +191,7 @@ def apply_zero(model: torch.nn.Module, par: ParallelConfig, mesh: Mesh, lr: floa
     if par.zero == 3:
         return Zero3(model, mesh.dp_group, lr, weight_decay, **shard)
     return ZeroOptimizer(model, mesh.dp_group, par.zero, lr, weight_decay, **shard,
-                         bucket_bytes=bucket_bytes(par))
+                         bucket_bytes=par.bucket_bytes)
 
 
 def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, mesh: Mesh,
@@ -212,7 +207,7 @@ def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, me
                 holders=list(mp.master) if fp32_grads else None)
     if par.dp_mode == "naive":
         return DataParallelNaive(model, mesh.dp_group, **sync)
-    return DataParallelBucket(model, mesh.dp_group, bucket_bytes(par), **sync)
+    return DataParallelBucket(model, mesh.dp_group, par.bucket_bytes, **sync)
 
 
 def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: int, lr: float,

@@ -68,7 +68,7 @@ def _flats(cfg, par, g: int) -> list[list[int]]:
     sizes = memory.chunk_params(cfg, 1, cfg.n_layer, True, True)
     if par.dp_mode == "naive":
         return [sizes]
-    return [[sizes[i] for i in b] for b in split(sizes, int(par.bucket_mb * 2**20), g)]
+    return [[sizes[i] for i in b] for b in split(sizes, par.bucket_bytes, g)]
 
 
 def _pieces(cfg, par, rank: int) -> int:
@@ -200,7 +200,7 @@ def _zero2_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
     # long: one pass over the step's events, as GradBuckets runs them
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
     sizes = memory.chunk_params(cfg, 1, cfg.n_layer, True, True)
-    groups = split(sizes, int(par.bucket_mb * 2**20), g)
+    groups = split(sizes, par.bucket_bytes, g)
     bucket_of = {i: k for k, group in enumerate(groups) for i in group}
     full = _buffers(cfg, par, g)
     b = par.dp_rows(global_batch)[rank] // par.microbatches

@@ -36,14 +36,12 @@ def dp(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
     if par.zero in (1, 2) and par.dp_mode == "bucketed":  # each bucket padded on its own
         sizes = chunk_params(cfg, par.tp, cfg.n_layer, True, True)
         flats = [sum(sizes[i] for i in b)
-                 for b in split(sizes, int(par.bucket_mb * 2**20), per["grads"])]
+                 for b in split(sizes, par.bucket_bytes, per["grads"])]
     shard = sum(flat_shard(size, n, 0)[0] for size in flats)
     if par.zero == 0:
         sent = {"all_reduce": 2 * (n - 1) / n * per["grads"] * psi}
     else:
-        # ZeRO-3 and bucketed ZeRO-2 reduce every micro-batch (ZeRO-3 gathers every one too)
-        every = par.zero == 3 or (par.zero == 2 and par.dp_mode == "bucketed")
-        times = par.microbatches if every else 1
+        times = par.reductions  # ZeRO-3 gathers every micro-batch too
         sent = {"reduce_scatter": times * (n - 1) * shard * per["grads"],
                 "all_gather": (times if par.zero == 3 else 1) * (2 if par.zero == 3 else 1)
                 * (n - 1) * shard * per["params"]}

@@ -102,8 +102,7 @@ def collective_calls(cfg, est) -> dict[str, int]:
         if par.zero == 0:
             calls["all_reduce"] = calls.get("all_reduce", 0) + k
         else:
-            times = par.microbatches if par.zero == 2 and par.dp_mode == "bucketed" else 1
-            calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + times * k,
+            calls.update(reduce_scatter=calls.get("reduce_scatter", 0) + par.reductions * k,
                          all_gather=calls.get("all_gather", 0) + k)
     return {k: v for k, v in calls.items() if v}
 
@@ -181,7 +180,7 @@ def _buckets(par, sizes: list[int], per: dict) -> int:
     par.bucket_mb at per["grads"] bytes an element."""
     if par.dp_mode == "naive":
         return len(sizes) if par.zero == 0 else 1
-    return len(split(sizes, int(par.bucket_mb * 2**20), per["grads"]))
+    return len(split(sizes, par.bucket_bytes, per["grads"]))
 
 
 def dp_comm(par, psi: int, buckets: int, units: int, cpu, per: dict) -> float:
@@ -197,8 +196,8 @@ def dp_comm(par, psi: int, buckets: int, units: int, cpu, per: dict) -> float:
     rs, ag = ring("reduce_scatter", per["grads"] * psi, n, cpu), ring("all_gather",
                                                                       per["params"] * psi, n, cpu)
     if par.zero in (1, 2):
-        times = par.microbatches if par.zero == 2 and par.dp_mode == "bucketed" else 1
-        return times * (rs + extra("reduce_scatter", buckets)) + ag + extra("all_gather", buckets)
+        return par.reductions * (rs + extra("reduce_scatter", buckets)) + ag + extra("all_gather",
+                                                                                  buckets)
     return par.microbatches * (2 * ag + rs + (3 * units - 3) * ring("all_gather", 0, n, cpu,
                                                                     meet=False))
 
