@@ -10,6 +10,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from minipar.config import ParallelConfig
 from minipar.model import GPT, cross_entropy

@@ -29,7 +29,8 @@ over: the communication thread allocates nothing (minipar's memory tracker watch
 Cost per rank, for P parameters with G gradient bytes (4P in fp32 and with fp32 gradients under
 mixed precision, 2P with 16-bit ones) and N ranks:
   memory         the model's states, with the gradients in the buckets (G: they are the .grad), and
-                 the ring's receive space, (N-1)/N of the largest bucket
+                 the ring's receive space, (N-1)/N of the largest bucket (ZeRO: from a step's
+                 first launch to its finish only)
   communication  2(N-1)/N * G bytes sent a step (ring), in P_tensors messages (naive) or
                  ceil(G / bucket_bytes) messages (bucketed, about); none on non-final micro-steps
   time           naive: backward + all of the all-reduce; bucketed: backward + only the last
@@ -103,10 +104,10 @@ class GradBuckets:
     keeps `bucket.reduced`, its shard of the sum) instead of all-reduce; keep: the full buffers
     persist between steps and accumulate through `no_sync` (DP, ZeRO-1) — else (ZeRO-2) they live
     from their first gradient until reduced and, overlapped, every micro-batch's backward reduces
-    them into the shards, at most two alive at once (the one filling and the one in flight: a new
-    one waits for the older); holders: whose .grad gets the reduced gradients (DP only; default
-    the parameters themselves;
-    the fp32 masters under mixed precision). stats: the CommStats that counts what it sends."""
+    them into the shards, at most two alive at once (the one filling and the one in flight: a
+    new one waits for the older); holders: whose .grad gets the reduced gradients (DP only;
+    default the parameters themselves; the fp32 masters under mixed precision). stats: the
+    CommStats that counts what it sends."""
 
     def __init__(self, params: list, buckets: list[list], group=None, *, dtype=None,
                  overlap: bool = True, scatter: bool = False, keep: bool = True, holders=None,
@@ -115,6 +116,7 @@ class GradBuckets:
             raise ValueError(f"collectives must be 'minipar' or 'torch', got {collectives!r}")
         self.group, self.collectives, self.stats = group, collectives, stats
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.overlap, self.scatter, self.keep = overlap, scatter, keep
         self.params = params
         self.holder = dict(zip(map(id, params), holders or params))
@@ -122,18 +124,16 @@ class GradBuckets:
         self.buckets = [_Bucket(b, self.size if scatter else 1, dtype or b[0].dtype, device)
                         for b in buckets]
         for bucket in self.buckets:
-            if keep:
+            if keep:  # (ZeRO-1's reduced shard is the bucket's own slice, reduced in place)
                 bucket.allocate()
-            if scatter:
-                bucket.reduced = torch.zeros(bucket.shard, dtype=bucket.dtype, device=device)
+                bucket.reduced = self._mine(bucket) if scatter else None
         self.sync, self._next, self._rounds, self._launched = True, 0, 0, []
         self.tracker = None  # a minipar.tracker.Tracker watching the step: told what it allocates
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter s
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self.ops = comm.implementation(collectives, stats, self.scratch)
-        if collectives == "minipar" and self.size > 1:  # room for the largest, now: it never grows
-            largest = max(self.buckets, key=lambda b: b.numel)  # while the ring is using it
-            self.scratch.reserve(largest.numel, self.size, torch.empty(0, dtype=largest.dtype))
+        if not scatter:  # DP keeps it, as DDP keeps its buckets; ZeRO makes it at each step's
+            self._reserve()  # first launch and frees it in finish, as FSDP2 frees its buffers
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
             if collectives == "minipar" and self.size > 1 else None
         for b, bucket in enumerate(self.buckets):
@@ -180,10 +180,20 @@ class GradBuckets:
         if self.tracker:  # a Tracker watches this step: a gradient buffer is born
             self.tracker.declare("grads", bucket.buffer)
 
+    def _reserve(self) -> None:
+        """Make the ring's receive space for the largest bucket, here on the main thread, unless
+        it is there: it never grows while the ring is using it."""
+        if self.collectives == "minipar" and self.size > 1 and not self.scratch.buffers:
+            largest = max(self.buckets, key=lambda b: b.numel)
+            self.scratch.reserve(largest.numel, self.size, torch.empty(0, dtype=largest.dtype))
+            if self.tracker:  # a Tracker watches this step
+                self.tracker.declare("comm", *self.scratch.buffers.values())
+
     def _launch(self, b: int) -> None:
         """Start bucket b's collective (on the communication thread for the ring). A round of
         launches ends with the last bucket; ZeRO-2's next micro-batch starts another."""
         bucket = self.buckets[b]
+        self._reserve()
         self._next, self._rounds = (0, self._rounds + 1) if b + 1 == len(self.buckets) else \
             (b + 1, self._rounds)
         bucket.arrived = 0
@@ -192,15 +202,10 @@ class GradBuckets:
         elif bucket.stale:  # none arrived since the last step
             bucket.buffer.zero_()
         what, tensor = f"bucket {b}", bucket.buffer
-        if self.scatter:  # once a step into the shard; ZeRO-2's micro-batches add theirs to it
-            bucket.output = bucket.reduced if self.keep else \
-                torch.empty(bucket.shard, dtype=bucket.dtype, device=bucket.device)
-            if self.tracker:  # a Tracker watches this step
-                self.tracker.declare("comm", bucket.output)
+        # a reduce-scatter lands in place, in my shard of the bucket (NCCL's in-place layout)
+        bucket.output = self._mine(bucket) if self.scatter else None
         if self.size == 1:
             bucket.work = None
-            if self.scatter:
-                bucket.output.copy_(tensor)
         elif self.collectives == "torch":
             if self.scatter:
                 bucket.work = comm.torch_reduce_scatter(tensor, self.group, self.stats,
@@ -222,14 +227,22 @@ class GradBuckets:
             self.ops.all_reduce(tensor, self.group)
         self.spans.append((what, start, time.perf_counter()))
 
+    def _mine(self, bucket: _Bucket) -> torch.Tensor:
+        """My shard of the bucket's buffer: where its reduce-scatter leaves my part of the sum."""
+        return bucket.buffer[self.rank * bucket.shard: (self.rank + 1) * bucket.shard]
+
     def _retire(self, buckets: list) -> None:
-        """Wait for these buckets' collectives; a reduce-scatter's shard is added into
-        `reduced` (its own, unless it landed there) and, unless buffers persist, the full buffer
-        freed."""
+        """Wait for these buckets' collectives. Unless the buffers persist (ZeRO-1's reduced
+        shard is its bucket's slice), a reduce-scatter's shard is copied out as the step's
+        `reduced` (its first micro-batch) or added to it, and the full buffer freed."""
         for bucket in buckets:
             if bucket.work is not None:
                 bucket.work.wait() if hasattr(bucket.work, "wait") else bucket.work.result()
-            if self.scatter and bucket.output is not bucket.reduced:
+            if self.scatter and not self.keep and bucket.reduced is None:
+                bucket.reduced = bucket.output.clone()
+                if self.tracker:  # a Tracker watches this step: a gradient shard is born
+                    self.tracker.declare("grads", bucket.reduced)
+            elif self.scatter and not self.keep:
                 bucket.reduced.add_(bucket.output)
             bucket.work = bucket.output = None
             if not self.keep:
@@ -247,6 +260,8 @@ class GradBuckets:
             for b in range(self._next, len(self.buckets)):
                 self._launch(b)
         self._retire(list(self._launched))
+        if self.scatter:
+            self.scratch.release()
         for bucket in self.buckets:
             if self.scatter:
                 bucket.reduced.div_(self.size)
@@ -259,10 +274,11 @@ class GradBuckets:
         self.spans.append(("wait", start, time.perf_counter()))
 
     def zero_grad(self) -> None:
-        """Forget the reduced shards (ZeRO); the buffers are zeroed by their next gradient."""
+        """Free ZeRO-2's reduced shards (made again by the next step's first reduction, as FSDP2
+        frees its sharded gradients); the buffers are zeroed by their next gradient."""
         for bucket in self.buckets:
-            if bucket.reduced is not None:
-                bucket.reduced.zero_()
+            if not self.keep:
+                bucket.reduced = None
             bucket.stale = True
 
     def grad(self, p) -> torch.Tensor | None:

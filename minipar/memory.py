@@ -247,10 +247,12 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
                  this rank's share / microbatches), e = 4 in fp32 and 2 in 16-bit (a model held in
                  16 bits, as precision.MixedPrecision makes it); with pp > 1 the schedule's peak
                  over the micro-batches in flight (`stage_activations`)
-      comm       the ring's receive space (collectives "minipar", N > 1): g (N-1) ceil(B/N) for the
-                 largest bucket of B elements (stage 0 naive: the largest parameter) | + stage 1:
-                 the reduce-scatter's output shards, g Psi_pad/N | stage 3: the gathered units, at
-                 most two adjacent ones at a time, p (full_i + full_{i+1}) at the largest pair
+      comm       stage 0: the ring's receive space (collectives "minipar", N > 1), g (N-1)
+                 ceil(B/N) for the largest bucket of B elements (naive: the largest parameter) |
+                 stages 1, 2: none (they reduce-scatter in place, into the bucket's own shard,
+                 and free the receive space once the step's reductions are done) | stage 3: the
+                 gathered units, at most two adjacent ones at a time, p (full_i + full_{i+1}) at
+                 the largest pair
     Psi_pad is Psi with each flat buffer padded to a multiple of N: stages 1, 2 one per bucket
     (data_parallel.split; dp_mode "naive": one), stage 3 one per unit. Not counted, as the tally
     does not count them: the optimizer's step counters (4 bytes for each parameter, or piece of one,
@@ -302,11 +304,11 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
                 "optimizer": per["optimizer"] * psi, "comm": scratch(largest)}
     shards = [flat_shard(size, n, dp_rank) for size in ([psi] if naive else buckets)]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
-    # stage 1 keeps the full gradient buffers and its reduce-scatter's output shards; stage 2 the
-    # shards as its gradients (the full buffers are freed once reduced)
+    # stage 1 keeps the full gradient buffers (each reduce-scatter lands in the bucket's own
+    # shard); stage 2 the shards as its gradients (the full buffers are freed once reduced)
+    # (their receive space is freed with the step's last reduction: step_memory counts it)
     return {"params": per["params"] * n * shard, "grads": g * (n * shard if stage == 1 else shard),
-            "optimizer": optimizer(shard, owned),
-            "comm": g * shard * (stage == 1) + scratch(max(n * s for s, _ in shards))}
+            "optimizer": optimizer(shard, owned), "comm": 0}
 
 
 def by_category(states: dict, activations: int) -> dict[str, int]:

@@ -3,25 +3,22 @@
 
 memory.predict tallies what a rank holds after a step (model states, buffers) and the activations
 at their most. The step's real peak is at one of a few moments, and which one depends on the
-technique (M micro-batches, g bytes a gradient element):
+technique. Data parallelism (ZeRO-0) has two (M micro-batches):
 
   forward   the end of the last micro-batch's forward: every activation alive, beside what is held
-            between steps. DP and ZeRO-1 keep all their gradient buffers between steps, so this is
-            their peak, and it is the tally exactly.
-  backward  the first gradient: the loss's and the head's saved tensors are gone (4 sbV + 4 + 8 sb,
-            the log-probabilities and the targets; sbhe, the head's input) and the simple ZeRO-2
-            allocates its flat gradient buffer, which lives until the step (with M > 1 it is alive
-            at the forward moment too).
-  step      the optimizer step: no activations; with 16-bit gradients (reduce_fp32=False) outside
-            ZeRO, the fp32 copies the masters step on, 4 Psi.
+            between steps (DP keeps its gradient buckets and receive space): the tally exactly.
+  step      the optimizer step: no activations; with 16-bit gradients (reduce_fp32=False), the
+            fp32 copies the masters step on, 4 Psi.
 Not counted, as the measured "held" peak leaves them out: autograd's and the optimizer's
 temporaries (intermediate gradients, AdamW's sqrt and division), shown beside it as "temporaries".
 
-Bucketed ZeRO-2 and ZeRO-3 are walked event by event instead (`_zero2_peak`, `_zero3_peak`):
-backward node by node, each freeing what it saved, each gradient reaching its bucket or unit, as
-data_parallel.GradBuckets and zero3.Zero3 allocate and free. Both keep what they hold
-deterministic (a new buffer waits for the older ones in flight), which is what makes the peak
-predictable to the byte. Covered: tp = pp = 1, no recomputation; else NotImplementedError.
+ZeRO-1/2 and ZeRO-3 make and free buffers inside the step, so they are walked event by event
+(`_buckets_peak`, `_zero3_peak`): backward node by node, each node freeing what it saved, each
+gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zero3 allocate and
+free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
+which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
+only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
+reduction to zero_grad. Covered: tp = pp = 1, no recomputation; else NotImplementedError.
 """
 from __future__ import annotations
 
@@ -39,23 +36,13 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
         return _zero3_peak(cfg, par, global_batch, rank)
     tally = memory.predict(cfg, par, global_batch, rank=rank)
     tally["optimizer"] += 4 * _pieces(cfg, par, rank)  # AdamW's step counters, one a tensor
-    g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
-    b, m = par.dp_rows(global_batch)[rank] // par.microbatches, par.microbatches
-    s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
-    freed = s * b * h * memory.element_bytes(par.precision) + 4 * s * b * V + 4 + 8 * s * b
+    if par.zero in (1, 2):
+        return _buckets_peak(cfg, par, global_batch, rank, tally)
     mixed = par.precision in ("bf16", "fp16")
-    if par.zero == 0 and par.dp == 1 and not (mixed and par.reduce_fp32):
+    if par.dp == 1 and not (mixed and par.reduce_fp32):
         tally["grads"] = 0  # no buckets: autograd's .grad come and go in backward (temporaries)
     moments = {"forward": dict(tally)}
-    if par.zero == 2 and par.dp_mode == "bucketed":
-        return _zero2_peak(cfg, par, global_batch, rank, tally)
-    if par.zero == 2:  # the flat buffer, from the first gradient to the step
-        flat = _buffers(cfg, par, g)[0][0]
-        if m > 1:
-            moments["forward"]["grads"] += flat
-        moments["backward"] = dict(tally, activations=tally["activations"] - freed,
-                                   grads=tally["grads"] + flat)
-    if par.zero == 0 and mixed and not par.reduce_fp32:  # the fp32 master gradients
+    if mixed and not par.reduce_fp32:  # the fp32 master gradients
         psi = memory.tp_params(cfg)
         moments["step"] = dict(tally, activations=0, grads=tally["grads"] + 4 * psi)
     phase = max(moments, key=lambda k: sum(moments[k].values()))
@@ -191,40 +178,59 @@ def _backward_events(cfg, b: int, e: int) -> list[tuple[int, list[int]]]:
     return events + [(8 * s, [1]), (8 * s * b, [0])]
 
 
-def _zero2_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
-    """Bucketed ZeRO-2's peak, by walking backward node by node (`_backward_events`) through
-    data_parallel.GradBuckets' rules: a bucket's full buffer is made at its first gradient (after
-    retiring every bucket in flight but the newest), reduced into a landing shard once complete,
-    both freed when retired (or refilled: the next micro-batch's); every micro-batch reduces.
-    Each allocation, and each forward's end, is a moment to check."""
+def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
+    """ZeRO-1/2's peak, by walking backward node by node (`_backward_events`) through
+    data_parallel.GradBuckets' rules. Stage 1 keeps its full buffers; stage 2 makes one at its
+    first gradient (after retiring every bucket in flight but the newest) and frees it when
+    retired (or refilled: the next micro-batch's), its shard, reduced in place, copied out first
+    (the step's first reduction of that bucket) or added to the step's. A bucket is launched once
+    complete: bucketed stage 2 every micro-batch, bucketed stage 1 in the last, naive (one flat
+    buffer) in finish, which launches what is left and retires everything. The ring's receive
+    space lives from the step's first launch to finish. Each allocation, and each forward's end,
+    is a moment to check."""
     # long: one pass over the step's events, as GradBuckets runs them
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
-    sizes = memory.chunk_params(cfg, 1, cfg.n_layer, True, True)
-    groups = split(sizes, par.bucket_bytes, g)
+    sizes, n, keep = memory.chunk_params(cfg, 1, cfg.n_layer, True, True), par.dp, par.zero == 1
+    groups = [list(range(len(sizes)))] if par.dp_mode == "naive" else \
+        split(sizes, par.bucket_bytes, g)
     bucket_of = {i: k for k, group in enumerate(groups) for i in group}
     full = _buffers(cfg, par, g)
-    b = par.dp_rows(global_batch)[rank] // par.microbatches
-    a_total = tally["activations"]
-    live = {"full": set(), "landing": set(), "launched": [], "act": a_total}
-    arrived, best = [0] * len(groups), {}
-    nxt = [0]
+    ring = n > 1 and par.collectives == "minipar"
+    scratch = ring * g * receive_numel(max(f for f, _ in full) // g, n)
+    b, m = par.dp_rows(global_batch)[rank] // par.microbatches, par.microbatches
+    live = {"full": set(range(len(groups))) if keep else set(), "shards": set(), "launched": [],
+            "act": 0, "scratch": 0}
+    arrived, best, nxt, rounds = [0] * len(groups), {}, [0], [0]
 
     def check(phase):
-        cats = dict(tally, activations=live["act"],
-                    grads=tally["grads"] + sum(full[k][0] for k in live["full"]),
-                    comm=tally["comm"] + sum(full[k][1] for k in live["landing"]))
+        cats = dict(tally, activations=live["act"], comm=live["scratch"],
+                    grads=sum(full[k][0] for k in live["full"])
+                    + sum(full[k][1] for k in live["shards"]))
         if sum(cats.values()) > sum(v for k, v in best.items() if k != "phase"):
             best.clear()
             best.update(cats, phase=phase)
 
-    def retire(ks):
+    def launch(k, phase="backward"):
+        arrived[k] = 0
+        if not live["scratch"]:
+            live["scratch"] = scratch
+            check(phase)
+        live["full"].add(k)  # (a bucket no gradient reached: zeros)
+        live["launched"].append(k)
+        nxt[0] = (k + 1) % len(groups)
+        rounds[0] += nxt[0] == 0
+
+    def retire(ks, phase="backward"):
         for k in ks:
-            live["full"].discard(k)
-            live["landing"].discard(k)
+            if not keep and k not in live["shards"]:  # copied out of the bucket
+                live["shards"].add(k)
+                check(phase)
+            if not keep:
+                live["full"].discard(k)
             live["launched"].remove(k)
 
-    for _ in range(par.microbatches):
-        live["act"] = a_total
+    for micro in range(m):
+        live["act"] = tally["activations"]
         check("forward")
         for freed, params in _backward_events(cfg, b, memory.element_bytes(par.precision)):
             live["act"] -= freed
@@ -237,12 +243,13 @@ def _zero2_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
                     live["full"].add(k)
                     check("backward")
                 arrived[k] += 1
-                while nxt[0] < len(groups) and arrived[nxt[0]] == len(groups[nxt[0]]):
-                    arrived[nxt[0]] = 0
-                    live["landing"].add(nxt[0])
-                    live["launched"].append(nxt[0])
-                    check("backward")
-                    nxt[0] = (nxt[0] + 1) % len(groups)
+                if par.dp_mode == "naive" or (keep and micro < m - 1):
+                    continue
+                while arrived[nxt[0]] == len(groups[nxt[0]]):
+                    launch(nxt[0])
                     if nxt[0] == 0:
                         break
+    for k in range(nxt[0], len(groups)) if nxt[0] or not rounds[0] else []:
+        launch(k, "step")  # finish
+    retire(list(live["launched"]), "step")
     return best

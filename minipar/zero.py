@@ -35,10 +35,15 @@ rank's sum of squares over its shard (clip.py).
 Cost per rank, for P parameters in fp32 (8 bytes of Adam moments per parameter), N ranks, B the
 largest bucket's gradient bytes:
   memory    stage 0 (DP)  4P params + 4P grads + 8P optimizer
-            stage 1       4P params + 4P grads + 8P/N optimizer, + 4P/N reduce-scatter output
+            stage 1       4P params + 4P grads + 8P/N optimizer
             stage 2       4P params + 4P/N grads + 8P/N optimizer, + the full buffers alive:
-                          naive 4P (through backward), bucketed at most 2B (+ B/N landing)
-            (+ up to N-1 padding elements per flat buffer)
+                          naive 4P (through backward), bucketed at most 2B
+            (+ up to N-1 padding elements per flat buffer, + the ring's receive space from the
+            step's first reduction to its end.) Every
+            reduce-scatter lands in place, in the rank's own shard of the bucket (the layout NCCL
+            reduces in place; gloo copies): stage 1's reduced gradients are slices of its buckets,
+            stage 2 copies each out as the bucket is freed. Stage 2's reduced shards live from the
+            step's first reduction to zero_grad, as FSDP2's sharded gradients do.
   traffic   reduce-scatter + all-gather, (N-1)/N * 4P bytes each: 2 Psi, as in DP; bucketed
             stage 2 reduce-scatters every micro-batch (M micro-batches: M + 1 Psi)
 """
@@ -107,7 +112,7 @@ class Shard:
     def __init__(self, layout: Flat, params: torch.Tensor, master: torch.Tensor | None, lr,
                  weight_decay, betas, grads: torch.Tensor | None = None):
         self.params, self.master = params, master
-        self.grads = torch.zeros_like(self.params) if grads is None else grads
+        self.grads = grads  # the owner's: set from each step's reduction
         updated = self.params if master is None else master
         self.optimizer, self.pieces, self.owners = layout.adamw(updated, lr, weight_decay, betas)
 
@@ -230,6 +235,8 @@ class ZeroOptimizer:
         TPGroup whose sequence parallelism leaves some gradients partial (summed over it here: each
         TP rank's buckets are cut alike)."""
         self.grads.finish()
+        for mine, bucket in zip(self.shards, self.grads.buckets):
+            mine.grads = bucket.reduced
         if sp:
             sync_sequence_parallel_grads([mine.grads[a:b] for mine in self.shards
                                           for (_, a, b), p in zip(mine.pieces, mine.owners)
@@ -246,6 +253,8 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        for mine in self.shards:
+            mine.grads = None  # stage 2's are freed; the next step's reduction sets them
         self.grads.zero_grad()
 
     @property
@@ -258,19 +267,20 @@ class ZeroOptimizer:
             yield from mine.state_tensors()
 
     def grad_tensors(self):
-        """The gradients this rank holds now: the full buffers (stage 1 always; stage 2 while
-        they wait to be reduced) and, in stage 2, its reduced shards (stage 1's are the
-        reduce-scatter's output: comm buffers)."""
-        shards = [b.reduced for b in self.grads.buckets] if self.stage == 2 else []
-        return self.grads.buffers() + shards
+        """The gradients this rank holds now: the full buffers (stage 1 always, its reduced
+        shards are slices of them; stage 2 while they wait to be reduced) and stage 2's reduced
+        shards (from the step's first reduction to zero_grad)."""
+        if self.stage == 1:
+            return self.grads.buffers()
+        return self.grads.buffers() + [b.reduced for b in self.grads.buckets
+                                       if b.reduced is not None]
 
     def param_tensors(self):
         return [full for _, full, _ in self.flats]  # padding included
 
     def comm_tensors(self):
-        """Stage 1: the reduce-scatter's output shards; the ring's receive space."""
-        shards = [b.reduced for b in self.grads.buckets] if self.stage == 1 else []
-        return shards + list(self.grads.scratch.buffers.values())
+        """The ring's receive space."""
+        return list(self.grads.scratch.buffers.values())
 
     @property
     def comm_bytes(self) -> int:

@@ -248,3 +248,20 @@ def test_the_table_and_explanation_refuse_a_top_below_one(top):
 def test_plan_refuses_a_global_batch_below_one_by_name(global_batch):
     with pytest.raises(ValueError, match=f"^global_batch must be a positive integer .*got {global_batch}$"):
         plan(CFG, Cluster.preset(A100), global_batch)
+
+
+def test_bucketed_zero_2_pays_for_a_reduction_every_micro_batch():
+    """Bucketed ZeRO-2 reduce-scatters each micro-batch's gradients (data_parallel.GradBuckets
+    frees them once reduced): on a slow link the reductions before the last cost what exceeds a
+    micro-batch's compute each, where ZeRO-1 reduces once; on a fast one they hide."""
+    from minipar.planner.cluster import Link
+    from minipar.planner.gpu_time import dp_time
+    per, psi = memory.layout_bytes("bf16"), 10**9
+    for bandwidth, slower in ((1e9, True), (1e13, False)):
+        link = Link(bandwidth, 1e-6)
+        times = {zero: dp_time(ParallelConfig(dp=8, zero=zero, microbatches=4), psi, per, link,
+                               window=0.1, compute_mb=0.3, units=1) for zero in (1, 2)}
+        assert (times[2] > times[1]) == slower, (bandwidth, times)
+        if slower:  # three earlier reductions of 7/8 * 4 GB at 1 GB/s, less 0.3 s each
+            rs = 7 / 8 * 4 * psi / bandwidth
+            assert times[2] - times[1] == pytest.approx(3 * (rs - 0.3), rel=1e-3)

@@ -99,3 +99,13 @@ def test_the_readme_python_examples_run_as_a_script(tmp_path):
         run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                              text=True, timeout=300)
         assert run.returncode == 0, f"README python block {i}:\n{run.stderr[-3000:]}"
+
+
+def test_no_name_is_undefined_or_unused():
+    """pyflakes' checks (ruff's F rules) over the package, bench/, the tests and the lessons: a name
+    used but never defined fails only when its line runs (bench/zero_variants.py once lost its
+    DTensor import, and only a benchmark run found it), and an unused import misleads a reader."""
+    paths = [str(ROOT / d) for d in ("minipar", "bench", "tests", "notebooks")]
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache",
+                           "--output-format", "concise", *paths], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

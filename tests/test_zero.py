@@ -123,6 +123,23 @@ def test_the_step_peak_shows_what_each_stage_saves():
     assert ranks[0][3].step_memory["held"]["grads"] < G  # a bucket in flight, not the full gradient
 
 
+def test_zero_holds_no_gradient_copy_and_frees_its_buffers_between_steps():
+    """ZeRO-1's reduce-scatter lands in its bucket's own shard (it kept a second copy, G/N, and
+    the ring's receive space, where DP with the same buckets holds neither beyond its receive
+    space); ZeRO-1 and 2 make the receive space at the step's first reduction and free it after
+    the last, and ZeRO-2 frees its gradient shards at zero_grad (FSDP2 holds neither between
+    steps): at the watched step's start ZeRO-2 holds no gradient and neither holds a buffer."""
+    n, small = 2, 0.1
+    cases = [ParallelConfig(dp=n, zero=z, bucket_mb=small) for z in (0, 1, 2)]
+    ranks = minipar.launch(workers_dp.train_variants, n, ODD, cases, 3, BATCH, timeout=120)
+    dp, zero1 = (res.step_memory["held"] for res in ranks[0][:2])
+    assert zero1["grads"] == ranks[0][1].memory["grads"]  # the buckets (padded to N shards) alone
+    assert zero1["comm"] <= dp["comm"]  # at most the receive space
+    for res, grads in zip(ranks[0][1:], (zero1["grads"], 0)):
+        start = res.timeline[0][2]  # (event, phase, {category: bytes}): the step's first sample
+        assert (start["grads"], start["comm"]) == (grads, 0), res.timeline[0]
+
+
 def test_bucketed_zero_reduce_scatters_during_backward():
     """ZeRO-1/2's reduce-scatter ran once, after backward; bucketed, backward's hooks launch each
     bucket's (its spans, as DP's), every micro-batch's in ZeRO-2 (DeepSpeed's stage 2), and the

@@ -28,9 +28,11 @@ sequences of s tokens, on one GPU of a stage holding its layers split t ways (t 
                     slowest link the pipeline crosses
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
                     the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
-                    (overlapped the same way) + all-gather of the updated parameters after the step
-                    (exposed); stage 3: per micro-batch 2 all-gathers + 1 reduce-scatter, prefetched
-                    under that micro-batch's compute, exposed where longer than it
+                    (overlapped the same way; bucketed stage 2 reduces every micro-batch, each
+                    but the last exposed only where longer than a micro-batch's compute) +
+                    all-gather of the updated parameters after the step (exposed); stage 3:
+                    per micro-batch 2 all-gathers + 1 reduce-scatter, prefetched under that
+                    micro-batch's compute, exposed where longer than it
   optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM
                     speed (read the gradient, read and write the weights and the optimizer state)
 
@@ -144,8 +146,12 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
         return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
     rs = gather_or_scatter(g * psi, n, link)
     ag = gather_or_scatter(per["params"] * psi, n, link)
-    if par.zero in (1, 2):  # naive: one flat reduce-scatter after backward
-        return (rs if par.dp_mode == "naive" else _overlap(rs, g * psi, par.bucket_mb, window)) + ag
+    if par.zero in (1, 2) and par.dp_mode == "naive":  # one flat reduce-scatter after backward
+        return rs + ag
+    if par.zero in (1, 2):  # buckets under the last backward; bucketed ZeRO-2 reduces every
+        # micro-batch, the ones before the last hidden under the compute that follows them
+        earlier = (par.reductions - 1) * max(0.0, rs - compute_mb)
+        return earlier + _overlap(rs, g * psi, par.bucket_mb, window) + ag
     per_mb = 2 * ag + rs
     return par.microbatches * max(0.0, per_mb - compute_mb) + ag / max(units, 1)
 
