@@ -27,7 +27,7 @@ def layouts(dp: int, bucket_mb: float) -> list[ParallelConfig]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--global-batch", type=int, default=16)

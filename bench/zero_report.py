@@ -160,27 +160,24 @@ def findings(rows: list[dict], cfg: GPTConfig) -> str:
 
 
 def bucket_findings(rows: list[dict], cfg: GPTConfig, bucket_mb: float) -> str:
-    """Where ZeRO-1/2's (bucketed) extra peak over its peer comes from, beside what the design
-    holds: the reduced gradient shards (G/N) and the ring's receive space ((N-1)/N of a bucket)
-    persist between steps; up to two full buckets and a landing shard live in backward."""
+    """Where a bucketed ZeRO-1/2's extra peak over its peer comes from, beside what the design
+    holds in backward: up to two full buckets (one in flight, one filling, 2B: fp32 under bf16 too,
+    the main gradients), the gradient shards made so far (at most G/N) and the ring's receive space
+    ((N-1)/N of a bucket); nothing of these between steps."""
     grads, bucket, out = 4 * cfg.num_params, bucket_mb * MIB, []
     for r in rows:
         if r["floor"] or r["variant"] not in ("zero1/bucketed", "zero2/bucketed", "zero2-bf16/"
                                               "minipar") or r["peak_ratio"] <= 1.0:
             continue
         p, n, f = _peer(rows, r), r["world"], lambda b: f"{b / MIB:.1f}"
-        sharded = "" if r["variant"] != "zero2/bucketed" else (
-            f"; {r['peer']} holds instead a sharded copy of the parameters (fp32, "
-            f"{f(grads / n)}), which minipar's ZeRO-2 does not (its shard is a view)")
         out.append(
             f"- N = {n}, {r['variant']}: peak {(r['peak'] - p['peak']) / MIB:+.1f} MiB over "
             f"{r['peer']}; after forward {(r['after_forward'] - p['after_forward']) / MIB:+.1f} "
-            f"MiB: it holds its reduced gradient shards (G/N = {f(grads / n)}) and the ring's "
-            f"receive space ((N-1)/N x bucket = {f((n - 1) / n * bucket)}) from step to step"
-            f"{sharded}; in backward its total rises {f(r['peak'] - r['after_forward'])} MiB "
-            f"above that, {r['peer']}'s {f(p['peak'] - p['after_forward'])}"
-            + (f" (ZeRO-2: up to two full buckets and a landing shard, 2B + B/N = "
-               f"{f((2 + 1 / n) * bucket)})." if "zero2" in r["variant"] else "."))
+            f"MiB; in backward its total rises {f(r['peak'] - r['after_forward'])} MiB above "
+            f"that, {r['peer']}'s {f(p['peak'] - p['after_forward'])}: up to two full buckets "
+            f"(2B = {f(2 * bucket)}, fp32), the gradient shards made so far (G/N = "
+            f"{f(grads / n)} at most) and the ring's receive space ((N-1)/N x bucket = "
+            f"{f((n - 1) / n * bucket)}).")
     return "Where minipar's ZeRO-1/2 extra memory comes from:\n" + "\n".join(out) + "\n\n" \
         if out else ""
 

@@ -84,8 +84,8 @@ def train_parser(sub) -> argparse.ArgumentParser:
     par.add_argument("--recompute", default="none", choices=RECOMPUTE,
                      help="activation recomputation")
     par.add_argument("--reduce-16bit", action="store_true",
-                     help="bf16/fp16 under DP: all-reduce the 16-bit gradients instead of the fp32 "
-                          "masters")
+                     help="bf16/fp16 under DP or ZeRO: accumulate and reduce 16-bit gradients "
+                          "instead of fp32 ones (2 + 2 + 12 bytes a parameter, not 2 + 4 + 12)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=300, help="optimizer steps, from the start")
     t.add_argument("--global-batch", type=int, default=16, help="sequences a step")
@@ -185,7 +185,8 @@ def run_train(args) -> None:
         return
     print(res.summary())
     predicted = res.predicted_memory or [{}] * len(res.peak_memory)
-    print("memory per rank, MiB, measured (predicted by memory.predict):")
+    print("memory per rank after the first step (states; activations at their most), MiB, "
+          "measured (predicted by memory.predict):")
     for rank, (mem, pred) in enumerate(zip(res.peak_memory, predicted)):
         print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})"
                                                                        if k in pred else "")

@@ -4,8 +4,9 @@ gradients with an all-reduce before the optimizer step (PyTorch DDP: Li et al. 2
 Where a gradient lives, for DP and for ZeRO-1/2 alike (`GradBuckets`): as soon as autograd has a
 parameter's gradient, a hook adds it into the parameter's slice of a flat *bucket* and frees it
 (Megatron-LM's "main grads"). The bucket's dtype is the gradient dtype chosen: fp32 under mixed
-precision, so that micro-batch gradients accumulate in fp32, the mixed-precision paper's third trick
-(Micikevicius et al. 2018, sec. 3.3), and the reduction sums in fp32. After the reduction the
+precision, so that micro-batch gradients accumulate in fp32 and the reduction sums in fp32 (the
+mixed-precision paper's rule for the sums inside each op, Micikevicius et al. 2018, sec. 3.3,
+applied to the gradients as Megatron-LM does). After the reduction the
 optimizer's parameters (the model's, or the fp32 masters) get views of the bucket as their .grad:
 no second copy of the gradients (DDP's `gradient_as_bucket_view`).
 

@@ -281,8 +281,6 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
     parameters' sizes, model order; None: one flat buffer of their sum, the planner's
     approximation). predict and the planner's stages count with it."""
     n, stage, psi, g = par.dp, par.zero, sum(sizes), per["grads"]
-    ring = n > 1 and par.collectives == "minipar"  # the ring's receive space: the largest bucket
-    scratch = lambda numel: g * receive_numel(numel, n) if ring else 0  # noqa: E731
     # a sharded optimizer: the fp32 master shard (mixed precision) has the padding too, the
     # moments only the real elements
     master = 4 if par.precision in ("bf16", "fp16") else 0
@@ -298,15 +296,17 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
     naive = par.dp_mode == "naive"
     groups = split(params, par.bucket_bytes, g)
     buckets = [sum(params[i] for i in b) for b in groups]
-    if stage == 0:  # the buckets are the gradients; naive: one per parameter
-        largest = max(params) if naive else max(buckets)
+    if stage == 0:  # the buckets are the gradients (naive: one per parameter), and the ring's
+        largest = max(params) if naive else max(buckets)  # receive space for the largest
+        ring = n > 1 and par.collectives == "minipar"
         return {"params": per["params"] * psi, "grads": g * psi,
-                "optimizer": per["optimizer"] * psi, "comm": scratch(largest)}
+                "optimizer": per["optimizer"] * psi,
+                "comm": g * receive_numel(largest, n) if ring else 0}
     shards = [flat_shard(size, n, dp_rank) for size in ([psi] if naive else buckets)]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
     # stage 1 keeps the full gradient buffers (each reduce-scatter lands in the bucket's own
-    # shard); stage 2 the shards as its gradients (the full buffers are freed once reduced)
-    # (their receive space is freed with the step's last reduction: step_memory counts it)
+    # shard); stage 2 the shards as its gradients (the full buffers are freed once reduced); the
+    # receive space is freed with the step's last reduction (step_memory counts it)
     return {"params": per["params"] * n * shard, "grads": g * (n * shard if stage == 1 else shard),
             "optimizer": optimizer(shard, owned), "comm": 0}
 

@@ -14,9 +14,8 @@ global mean. With uneven DP shares (ParallelConfig.dp_shares: a heterogeneous pl
 is also weighted by its share, so the averaged gradients are still those of the global mean.
 Every `eval_every` steps: the loss on held-out batches (data.py's "val" split). A loss that is not
 finite stops the run (NonFiniteLoss), with no checkpoint of the broken weights.
-Metrics: loss, validation loss, step time, tokens/s, MFU (model FLOPs, docs/references.md, over the
-device's peak: hardware.peak says which), gradient norm and memory by category; per step, to a
-JSON-lines file and TensorBoard if asked (metrics.py).
+Metrics: loss, validation loss, step time, tokens/s, MFU (model FLOPs over the device's peak, which
+hardware.peak says), gradient norm, memory; per step to JSON lines, TensorBoard if asked (metrics).
 """
 from __future__ import annotations
 
@@ -54,8 +53,8 @@ class TrainResult:
     tokens_per_s: float                 # global tokens per second, median step
     mfu: float                          # model FLOP/s over the peak of the
                                         #   devices used, median step
-    peak_memory: list[dict]             # by rank: {category: bytes}, measured (on CUDA also
-                                        #   "cuda_max_allocated", the allocator's peak, to compare)
+    peak_memory: list[dict]             # by rank: {category: bytes}, the first step's tally (on
+                                        #   CUDA also "cuda_max_allocated"); the peak: step_peak
     predicted_memory: list[dict]        # by rank: {category: bytes}, memory.predict's
                                         #   analytic model
     comm_bytes: list[dict]              # by rank: {collective or p2p kind: bytes sent}
@@ -75,12 +74,14 @@ class TrainResult:
     memory_timelines: list[list] = field(default_factory=list, repr=False)  # Tracker.timeline
 
     def summary(self) -> str:
-        fullest = max(sum(m[c] for c in memory.CATEGORIES) for m in self.peak_memory)
+        what = "peak memory over a step" if self.step_peak else "memory after a step"
+        fullest = max(sum(m[c] for c in memory.CATEGORIES)
+                      for m in [p["held"] for p in self.step_peak] or self.peak_memory)
         val = f" (validation {self.val_losses[-1][1]:.3f})" if self.val_losses else ""
         against = f"\nMFU is against {self.peak.source}" if self.peak else ""
         return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{val} in {len(self.losses)} "
-                f"steps | {self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | peak "
-                f"memory {fullest / 2**20:.1f} MiB on the fullest rank{against}")
+                f"steps | {self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | {what} "
+                f"{fullest / 2**20:.1f} MiB on the fullest rank{against}")
 
 
 @dataclass
@@ -288,8 +289,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
             loss, spans = share.forward_backward(run, par, mesh, x, y, rows, device,
                                                  Unmetered() if tracker else meter, after_compute,
                                                  tracker and tracker.phase)
-            # gradient sync, clipping and the optimizer step, before any other collective (ZeRO-3
-            # may be reducing)
+            # gradient sync, clipping, optimizer step: before any other collective (ZeRO-3 reduces)
             with tracker.phase("step") if tracker else contextlib.nullcontext():
                 norm = run.sync_and_step(clip)
                 if tracker:  # a first step makes AdamW's moments: they are optimizer state
