@@ -101,19 +101,30 @@ def test_korthikanti_table_5_step_times_within_10_percent(name):
 
 
 def test_a100_efficiency_is_korthikanti_table_4_not_fitted_to_table_5():
-    """One number for every row: the one Table 4 layer (7.7 + 11.9 ms) gives it; the same layer's
-    recomputing backwards (13.2 ms selective, 19.5 ms full) then come out within 10%."""
+    """One number for every row, from the Table 4 row whose setting Table 5 shares (sequence
+    parallelism, 7.2 + 11.8 ms; it was taken from 7.7 + 11.9 ms, the row without SP, modelled with
+    SP); the table's other rows, with and without SP, then come out within 10%."""
     cfg = GPTConfig(n_layer=1, n_head=64, d_model=6144, vocab_size=51200, seq_len=2048)
     cluster = Cluster.preset(A100)
-    fitted = fit_efficiency(cfg, 7.7e-3 + 11.9e-3, 4, 8, cluster, materialized=True)
+    fitted = fit_efficiency(cfg, 7.2e-3 + 11.8e-3, 4, 8, cluster, materialized=True)
     assert cluster.efficiency == round(fitted, 2)
-    for recompute, forward, backward in (("none", 7.7e-3, 11.9e-3), ("selective", 7.7e-3, 13.2e-3),
-                                         ("full", 7.7e-3, 19.5e-3)):
-        w = Work(4, 8, True, recompute, 2, cluster.peak_flops * cluster.efficiency, cluster.memory_bandwidth,
+    rows = [(True, "none", 7.2e-3, 11.8e-3), (True, "selective", 7.2e-3, 13.1e-3),
+            (False, "none", 7.7e-3, 11.9e-3), (False, "selective", 7.7e-3, 13.2e-3),
+            (False, "full", 7.7e-3, 19.5e-3)]
+    for sp, recompute, forward, backward in rows:
+        w = Work(4, 8, sp, recompute, 2, cluster.peak_flops * cluster.efficiency, cluster.memory_bandwidth,
                  cluster.link(range(8)), False, True)
         cost = layer_cost(cfg, w)
-        assert sum(cost["F"].values()) == pytest.approx(forward, rel=0.10)
-        assert sum(cost["B"].values()) == pytest.approx(backward, rel=0.10)
+        assert sum(cost["F"].values()) == pytest.approx(forward, rel=0.10), (sp, recompute)
+        assert sum(cost["B"].values()) == pytest.approx(backward, rel=0.10), (sp, recompute)
+
+
+def test_table_5_errors_average_under_10_percent():
+    """The issue's proof for published runs: each row within 15% (here 10%, above), the mean within
+    10%, nothing tuned per row."""
+    errors = [abs(table_5_estimate(name, rc).step_time / TABLE_5[name][8 + (rc == "full")] - 1)
+              for name in TABLE_5 for rc in ("selective", "full")]
+    assert max(errors) <= 0.10 and sum(errors) / len(errors) <= 0.10
 
 
 # ----------------------------------------------------------------------------- the estimate's rules
@@ -171,7 +182,9 @@ def test_plan_ranks_only_what_fits_fastest_first():
                     intra_bandwidth=240e9, intra_latency=1e-6, inter_bandwidth=25e9, inter_latency=5e-6)
     ests = plan(CFG, small, global_batch=32, micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"))
     assert ests and all(e.fits and e.par.world == 8 for e in ests)
-    assert [e.step_time for e in ests] == sorted(e.step_time for e in ests)
+    from minipar.planner.search import NEGLIGIBLE_TIME  # ties (float noise) rank by memory
+    times = [e.step_time for e in ests]
+    assert all(a <= (1 + NEGLIGIBLE_TIME) * b for i, a in enumerate(times) for b in times[i:])
     layouts = {(e.par.dp, e.par.tp, e.par.pp, e.par.zero) for e in ests}
     assert (8, 1, 1, 0) not in layouts  # 16 bytes a parameter of 1.2B on every GPU: 19 GiB > 12
     assert len(ests) < len(list(candidates(CFG, small, 32, (1, 2), ("1f1b", "interleaved-1f1b"))))
@@ -187,19 +200,32 @@ def test_plan_that_cannot_fit_says_what_would():
         plan(CFG, tiny_gpus, global_batch=32, micro_batches=(4,), recompute=("none",))
 
 
-def test_heterogeneous_cluster_splits_layers_and_batch_by_speed():
+def test_heterogeneous_cluster_splits_layers_and_batch_by_search():
+    """The split was a fixed rule, layers and micro-batches in proportion to each GPU kind's matmul
+    rate, and not optimal under the planner's own model (here TP's all-reduces, as long on either
+    kind, dominate: the proportional (6, 18) takes 0.227 s, (8, 16) 0.205 s). Now searched
+    (`predict.refine`): faster than the rule, no one-layer or one-share move makes it faster, and
+    the faster GPUs still take more."""
+    from minipar.planner.predict import _sized, split_layout, time_layout
     mixed = Cluster.mixed([Cluster.preset(A100), Cluster.preset("dgx-h100")])
     assert mixed.world == 16 and mixed.device(3).name == A100 and mixed.device(12).name == "dgx-h100"
-    ratio = 989 / 312
     par = ParallelConfig(tp=8, pp=2, sequence_parallel=True, precision="bf16")
-    est = estimate(CFG, par, mixed, global_batch=32, micro_batch=1)
-    assert est.layers[1] / est.layers[0] == pytest.approx(ratio, rel=0.25)
-    est = estimate(CFG, par.replace(dp=2, pp=1), mixed, global_batch=32, micro_batch=1)
-    assert est.shares[1] / est.shares[0] == pytest.approx(ratio, rel=0.25) and sum(est.shares) == 32
+    for layout in (par, par.replace(dp=2, pp=1)):
+        est = estimate(CFG, layout, mixed, global_batch=32, micro_batch=1)
+        rule = time_layout(CFG, split_layout(CFG, layout, mixed, 32, 1))
+        assert est.step_time <= rule.step_time and sum(est.shares) == 32
+        assert est.layers[-1] > est.layers[0] if layout.pp > 1 else est.shares[1] > est.shares[0]
+        for layers, shares in (((est.layers[0] + d, est.layers[1] - d), est.shares) if layout.pp > 1
+                               else (est.layers, (est.shares[0] + d, est.shares[1] - d))
+                               for d in (-1, 1)):
+            moved = time_layout(CFG, _sized(CFG, est.par, mixed, 32, 1, layers, shares, "flash"))
+            assert moved.step_time >= (1 - 1e-4) * est.step_time, (layers, shares)
+    pipelined = estimate(CFG, par, mixed, global_batch=32, micro_batch=1)
+    assert pipelined.step_time < time_layout(CFG, split_layout(CFG, par, mixed, 32, 1)).step_time
     slow = estimate(CFG, par.replace(dp=2, pp=1), Cluster.preset(A100, nodes=2), global_batch=32, micro_batch=1)
-    assert est.step_time < slow.step_time
+    assert estimate(CFG, par.replace(dp=2, pp=1), mixed, 32, 1).step_time < slow.step_time
     assert plan(CFG, mixed, global_batch=32, micro_batches=(1,))[0].fits
-    assert math.isfinite(est.mfu)
+    assert math.isfinite(pipelined.mfu)
 
 
 def test_heterogeneous_layers_move_out_of_a_stage_that_overflows():
@@ -236,6 +262,21 @@ def test_explain_says_nothing_of_float_noise_and_calls_less_memory_less():
     assert lines[4].endswith(f"though it saves {0.01 * step:.3g} s of bubble")
 
 
+def test_the_ranking_breaks_ties_by_memory_then_simplicity_not_float_noise():
+    """plan sorted by (step time, memory): a layout 1e-16 s slower ranked behind an equally fast
+    one that needs 10 GiB more, and its memory tie-break never triggered. Ties are step times
+    within NEGLIGIBLE_TIME of the fastest of their run; among them less memory, then the simpler
+    layout; a layout slower by more than that still ranks behind."""
+    from minipar.planner import search
+    best = estimate(CFG, ParallelConfig(dp=8), Cluster.preset(A100), global_batch=32, micro_batch=1)
+    step = best.step_time
+    small = _variant(best, 1e-16, -2.5)                                  # as fast, less memory
+    pipelined = dataclasses.replace(_variant(best, -1e-16, -2.5), par=ParallelConfig(dp=4, pp=2))
+    slower = _variant(best, 0.01 * step, -5.0)                           # really slower, smallest
+    ranked = search.rank([best, slower, pipelined, small])
+    assert ranked == [small, pipelined, best, slower]
+
+
 @pytest.mark.parametrize("top", [0, -3, 2.5])
 def test_the_table_and_explanation_refuse_a_top_below_one(top):
     ests = [estimate(CFG, ParallelConfig(dp=8), Cluster.preset(A100), global_batch=32, micro_batch=1)]
@@ -265,3 +306,38 @@ def test_bucketed_zero_2_pays_for_a_reduction_every_micro_batch():
         if slower:  # three earlier reductions of 7/8 * 4 GB at 1 GB/s, less 0.3 s each
             rs = 7 / 8 * 4 * psi / bandwidth
             assert times[2] - times[1] == pytest.approx(3 * (rs - 0.3), rel=1e-3)
+
+
+def test_a_small_machine_is_shown_in_units_that_say_something():
+    """On this machine's scale format_table printed "0" TFLOP/s and "0.0" GiB in every row and the
+    per-stage plot drew MiB-sized bars on a GiB axis: a CPU does GFLOP/s and a tiny model needs MiB."""
+    from minipar.lessons import viz_planner
+    cpu = Cluster(gpus_per_node=2, nodes=1, memory_per_gpu=8 * GiB, peak_flops=1e11, efficiency=0.5,
+                  intra_bandwidth=1e9, intra_latency=1e-5, inter_bandwidth=1e9, inter_latency=1e-5)
+    est = estimate(GPTConfig.preset("tiny"), ParallelConfig(dp=2), cpu, global_batch=8, micro_batch=4)
+    head, row = format_table([est]).splitlines()
+    assert "GFLOP/s" in head and "MiB" in head and "TFLOP/s" not in head
+    step, flops, mfu, mib = row.split()[-len(TERMS) - 4:][:4]  # the columns after the label
+    assert float(flops) > 0 and float(mib) > 1
+    assert "GFLOP/s" in repr(est) and "MiB" in repr(est)
+    ax = viz_planner.memory_stages(est).axes[0]
+    assert ax.get_ylabel() == "MiB per GPU" and ax.get_ylim()[1] > 1
+
+
+@pytest.mark.parametrize("preset", ["dgx-a100-80g", "dgx-h100", "h200"])
+def test_no_plan_runs_faster_than_its_hardware(preset):
+    """A throughput above peak is a bug, not a result: for every layout plan searches, the model's
+    FLOP/s stay under the GPUs' peak (MFU <= 1, compute no faster than the peak allows), and a step
+    without a pipeline lasts at least as long as its DP collectives take on their link."""
+    from minipar import traffic
+    from minipar.mesh import rank_at
+    cluster = Cluster.preset(preset, nodes=2)
+    ests = plan(CFG, cluster, global_batch=32, micro_batches=(1, 2), recompute=("none", "full"))
+    assert len(ests) > 20
+    for e in ests:
+        assert 0 < e.mfu <= 1, e.label
+        assert e.breakdown["compute"] >= e.model_flops / cluster.peak_total * (1 - 1e-9), e.label
+        if e.par.pp == 1 and e.par.dp > 1:
+            link = cluster.link([rank_at(e.par.dp, e.par.tp, j, 0, 0) for j in range(e.par.dp)])
+            sent = sum(traffic.dp(CFG, e.par).values())
+            assert e.step_time >= sent / link.bandwidth * (1 - 1e-9), e.label

@@ -25,7 +25,7 @@ from minipar.lessons import viz, viz_pipeline, viz_planner
 from minipar.mesh import Mesh
 from minipar.pipeline import Timeline
 from minipar.planner import TERMS, explain, format_table
-from minipar.planner.cluster import GiB
+from minipar.planner.cluster import flops_unit, memory_unit
 
 MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds)
 SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
@@ -68,20 +68,27 @@ def summary(est, best) -> str:
     return (f"<div data-estimate='{attribute}'><b>{html.escape(est.label)}</b> "
             f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step "
             f"<b>{est.step_time:.4g} s</b>{vs}; MFU <b>{est.mfu:.1%}</b>, "
-            f"{est.tflops_per_gpu:.3g} TFLOP/s a GPU; fullest GPU "
+            f"{rate(est.flops_per_gpu)} a GPU; fullest GPU "
             f"<b>{size(est.total_memory)}</b> of {size(est.capacity)}: {fits}</div>")
 
 
 def size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
+    unit, name = memory_unit(n)
+    return f"{n / unit:.2f} {name}"
+
+
+def rate(flops: float) -> str:
+    unit, name = flops_unit(flops)
+    return f"{flops / unit:.3g} {name}"
 
 
 def ab(a, b) -> str:
     """Layout A (pinned) beside B (the knobs): step, MFU, memory and each term, with B / A."""
     if a is None or b is None:
         return "<i>pin a layout as A to compare it with the knobs' (B) side by side</i>"
+    unit, name = memory_unit(a.total_memory, b.total_memory)
     rows = [("step s", a.step_time, b.step_time), ("MFU", a.mfu, b.mfu),
-            ("GiB", a.total_memory / GiB, b.total_memory / GiB)]
+            (name, a.total_memory / unit, b.total_memory / unit)]
     rows += [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
     cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td>"
                     f"<td>{f'{y / x:.3f}' if x else '-'}</td></tr>" for name, x, y in rows)

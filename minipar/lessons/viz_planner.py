@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from minipar import planner
 from minipar.memory import CATEGORIES
 from minipar.mesh import grid_ranks
-from minipar.planner.cluster import GiB
+from minipar.planner.cluster import memory_unit
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 TERM_COLOURS = dict(zip(planner.TERMS,
@@ -25,21 +25,22 @@ TERM_COLOURS = dict(zip(planner.TERMS,
 
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:
-    """GiB per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order, with
-    each stage's capacity (its GPUs' memory_per_gpu, the smallest
-    if they differ) as a black tick."""
+    """Memory per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order,
+    in GiB or, below 1 GiB, MiB (`memory_unit`), with each stage's capacity (its GPUs'
+    memory_per_gpu, the smallest if they differ) as a black tick."""
+    unit, name = memory_unit(*(sum(stage.values()) for stage in est.stages))
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.5 * len(est.stages)), 3.6),
                              layout="constrained")
     stages = range(len(est.stages))
     bottom = [0.0 for _ in stages]
     for i, cat in enumerate(CATEGORIES):
-        gib = [est.stages[r].get(cat, 0) / GiB for r in stages]
+        gib = [est.stages[r].get(cat, 0) / unit for r in stages]
         ax.bar(list(stages), gib, 0.7, bottom=bottom, color=COLOURS[i], label=cat)
         bottom = [b + g for b, g in zip(bottom, gib)]
     dp, tp, pp = est.par.dp, est.par.tp, est.par.pp
     capacity = [min(est.cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, pp, pp_rank=r))
-                / GiB for r in stages]
+                / unit for r in stages]
     ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2,
               label="capacity")
     if len(est.stages) <= 16:
@@ -47,7 +48,7 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
             ax.text(r, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(stages), [str(r) for r in stages], fontsize=7 if len(est.stages) > 16 else 9)
     pad = max(0.0, (3 - len(est.stages)) / 2)  # a bar or two do not fill the axes
-    ax.set(xlabel="pipeline stage", ylabel="GiB per GPU",
+    ax.set(xlabel="pipeline stage", ylabel=f"{name} per GPU",
            ylim=(0, 1.15 * max(max(bottom), max(capacity))),
            xlim=(-0.6 - pad, len(est.stages) - 0.4 + pad))
     ax.set_title(title or f"memory per GPU, {est.label}", fontsize=10, loc="left")

@@ -10,6 +10,17 @@ from typing import NamedTuple
 GiB = 2 ** 30
 
 
+def memory_unit(*nbytes: float) -> tuple[float, str]:
+    """(bytes a unit, its name) that shows these sizes readably: GiB from 1 GiB, else MiB (this
+    machine's layouts need a few MiB: 0.0 GiB in every row says nothing)."""
+    return (GiB, "GiB") if max(nbytes, default=0) >= GiB else (2 ** 20, "MiB")
+
+
+def flops_unit(*rates: float) -> tuple[float, str]:
+    """(FLOP/s a unit, its name) for these rates: TFLOP/s from 1e12, else GFLOP/s."""
+    return (1e12, "TFLOP/s") if max(rates, default=0) >= 1e12 else (1e9, "GFLOP/s")
+
+
 class Link(NamedTuple):
     bandwidth: float  # bytes/s per GPU, one direction
     latency: float    # s per message (a ring step)
@@ -58,13 +69,14 @@ class Cluster:
                                                          #   on one H200 here
     }
     # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row
-    # of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer (t = 8, b = 4, SP) at
-    # 7.7 ms forward + 11.9 ms backward; take off this model's TP and memory-bound time and the
-    # matmuls ran at 0.69 of 312 TFLOP/s (`gpu_time.fit_efficiency` redoes it). H100, H200: no layer
-    # timing is published beside the figures we check, so the A100's 0.69 is assumed, unvalidated
-    # (the one Hopper measurement we have, an 8192^3 bf16 matmul at 790 of 989 TFLOP/s on an H200,
-    # is an upper bound): run `gpu_time.fit_efficiency` on a measured layer to replace it.
-    EFFICIENCY = {"dgx-a100-80g": 0.69, "dgx-h100": 0.69, "h200": 0.69}
+    # of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer with sequence
+    # parallelism (t = 8, b = 4, no recomputation) at 7.2 ms forward + 11.8 ms backward; take off
+    # this model's TP and memory-bound time and the matmuls ran at 0.72 of 312 TFLOP/s
+    # (`gpu_time.fit_efficiency` redoes it; the table's other four rows then come out within 10%).
+    # H100, H200: no layer timing is published beside the figures we check, so the A100's 0.72 is
+    # assumed, unvalidated (the one Hopper measurement we have, an 8192^3 bf16 matmul at 790 of 989
+    # TFLOP/s on an H200, is an upper bound): run `gpu_time.fit_efficiency` on a measured layer.
+    EFFICIENCY = {"dgx-a100-80g": 0.72, "dgx-h100": 0.72, "h200": 0.72}
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes"):

@@ -174,8 +174,9 @@ def fit_efficiency(cfg, layer_step: float, micro_batch: int, tp: int, cluster: C
     seconds: the matmul FLOPs over the time left once this model's
     TP and memory-bound time are taken off.
 
-    Korthikanti Table 4 (22B: a 64, h 6144, s 2048; t = 8, b = 4, SP, Megatron's materialised
-    attention, 7.7 + 11.9 ms on A100s) gives the A100's 0.69."""
+    Korthikanti Table 4's row with sequence parallelism (22B: a 64, h 6144, s 2048; t = 8, b = 4,
+    SP, no recomputation, Megatron's materialised attention, 7.2 + 11.8 ms on A100s) gives the
+    A100's 0.72. (Its 7.7 + 11.9 ms row is the one without SP: sequence_parallel=False.)"""
     ranks = range(tp)
     w = Work(micro_batch, tp, sequence_parallel, "none", memory.element_bytes(precision), 1.0,
              cluster.memory_bandwidth, cluster.link(ranks), False, materialized)

@@ -5,18 +5,34 @@ from __future__ import annotations
 import dataclasses
 
 from minipar.config import SCHEDULES, ParallelConfig
-from minipar.planner.cluster import Cluster, GiB
-from minipar.planner.predict import TERMS, Estimate, split_layout, time_layout
+from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
+from minipar.planner.predict import TERMS, Estimate, refine, split_layout, time_layout
 
 
 class NoFeasiblePlan(ValueError):
     """No layout fits the cluster's memory; the message says what would."""
 
 
-# Differences the explanation calls none: the cost model's float rounding ("saves 8.88e-16 s of
-# bubble") is not a reason, and neither is a tenth of a percent of a step.
+# Differences the ranking and the explanation call none: the cost model's float rounding ("saves
+# 8.88e-16 s of bubble") is not a reason, and neither is a tenth of a percent of a step.
 NEGLIGIBLE_TIME = 1e-3         # of the winner's step time
 NEGLIGIBLE_MEMORY = 0.05 * GiB  # bytes a GPU
+REFINED = 5  # on a mixed cluster, the layouts fastest under the proportional split whose splits
+             #   plan then searches (each search times tens of splits)
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    """Fastest first. Layouts within NEGLIGIBLE_TIME of the fastest of a run of near-equal times
+    are ties, not a ranking: among them less memory (to NEGLIGIBLE_MEMORY) goes first, then the
+    simpler layout (fewer pipeline stages, chunks, TP ranks, ZeRO stage and micro-batches)."""
+    by_time, ranked = sorted(estimates, key=lambda e: e.step_time), []
+    simple = lambda e: (e.par.pp, e.par.virtual_stages, e.par.tp, e.par.zero,  # noqa: E731
+                        e.par.microbatches, e.step_time)
+    while by_time:
+        tied = [e for e in by_time if e.step_time <= (1 + NEGLIGIBLE_TIME) * by_time[0].step_time]
+        by_time = by_time[len(tied):]
+        ranked += sorted(tied, key=lambda e: (round(e.total_memory / NEGLIGIBLE_MEMORY), simple(e)))
+    return ranked
 
 
 def _divisors(n: int) -> list[int]:
@@ -61,9 +77,10 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
 def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
          virtual_stages=(2, 4), zero=(0, 1, 2, 3), recompute=("none", "selective", "full"),
          precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
-    """Every layout of `candidates` that fits memory_per_gpu, fastest first. Each takes the first of
-    `recompute` with which it fits (recomputing more only costs time). Raises NoFeasiblePlan, saying
-    what would fit, when none does."""
+    """Every layout of `candidates` that fits memory_per_gpu, fastest first (`rank`). Each takes the
+    first of `recompute` with which it fits (recomputing more only costs time). On a mixed cluster
+    the REFINED fastest have their layer and batch splits searched (`predict.refine`). Raises
+    NoFeasiblePlan, saying what would fit, when none does."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive integer (sequences a step), got "
                          f"{global_batch!r}")
@@ -87,7 +104,8 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     if not fitting:
         raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero,
                                      recompute, precision))
-    return sorted(fitting, key=lambda e: (e.step_time, e.total_memory))
+    ranked = rank(fitting)  # a mixed cluster's splits: the fastest few searched (`refine`)
+    return rank([refine(cfg, e, attention) for e in ranked[:REFINED]] + ranked[REFINED:])
 
 
 def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
@@ -170,10 +188,14 @@ def format_table(estimates: list[Estimate], top: int = 10) -> str:
     """The ranked estimates as a text table: layout, step time, TFLOP/s,
     MFU, memory, and the breakdown (s)."""
     _check_top(top)
-    heads = ["#", "layout", "step s", "TFLOP/s", "MFU", "GiB"] + list(TERMS)
-    rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
-             f"{e.total_memory / GiB:.1f}"] + [f"{e.breakdown[k]:.3g}" for k in TERMS]
-            for i, e in enumerate(estimates[:top], 1)]
+    shown = estimates[:top]
+    (flops, fname), (mem, mname) = (flops_unit(*(e.flops_per_gpu for e in shown)),
+                                    memory_unit(*(e.total_memory for e in shown)))
+    heads = ["#", "layout", "step s", fname, "MFU", mname] + list(TERMS)
+    rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.flops_per_gpu / flops:.3g}",
+             f"{e.mfu:.1%}", f"{e.total_memory / mem:.1f}"] + [f"{e.breakdown[k]:.3g}"
+                                                               for k in TERMS]
+            for i, e in enumerate(shown, 1)]
     widths = [max(len(r[c]) for r in [heads] + rows) for c in range(len(heads))]
     fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c,
                               (x, w) in enumerate(zip(r, widths)))
