@@ -109,3 +109,12 @@ def test_no_name_is_undefined_or_unused():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache",
                            "--output-format", "concise", *paths], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_lesson_cell_has_an_id():
+    """nbformat 4.5 cells carry an id; a cell added without one is a warning today ("will become a
+    hard error in future nbformat versions") and was one in CI."""
+    import json
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        assert all("id" in cell for cell in cells), f"{path.name}: a cell without an id"

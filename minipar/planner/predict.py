@@ -126,7 +126,8 @@ class Estimate:
                 f"{' sp' if p.sequence_parallel else ''} rc={p.recompute}")
 
     def __repr__(self):
-        (flops, fname), (mem, mname) = flops_unit(self.flops_per_gpu), memory_unit(self.total_memory)
+        flops, fname = flops_unit(self.flops_per_gpu)
+        mem, mname = memory_unit(self.total_memory)
         return (f"Estimate({self.label}: {self.step_time:.4g} s, {self.flops_per_gpu / flops:.3g} "
                 f"{fname}, MFU {self.mfu:.1%}, {self.total_memory / mem:.1f} {mname})")
 
