@@ -206,7 +206,7 @@ def test_heterogeneous_cluster_splits_layers_and_batch_by_search():
     kind, dominate: the proportional (6, 18) takes 0.227 s, (8, 16) 0.205 s). Now searched
     (`predict.refine`): faster than the rule, no one-layer or one-share move makes it faster, and
     the faster GPUs still take more."""
-    from minipar.planner.predict import _sized, split_layout, time_layout
+    from minipar.planner.predict import sized, split_layout, time_layout
     mixed = Cluster.mixed([Cluster.preset(A100), Cluster.preset("dgx-h100")])
     assert mixed.world == 16 and mixed.device(3).name == A100 and mixed.device(12).name == "dgx-h100"
     par = ParallelConfig(tp=8, pp=2, sequence_parallel=True, precision="bf16")
@@ -218,7 +218,7 @@ def test_heterogeneous_cluster_splits_layers_and_batch_by_search():
         for layers, shares in (((est.layers[0] + d, est.layers[1] - d), est.shares) if layout.pp > 1
                                else (est.layers, (est.shares[0] + d, est.shares[1] - d))
                                for d in (-1, 1)):
-            moved = time_layout(CFG, _sized(CFG, est.par, mixed, 32, 1, layers, shares, "flash"))
+            moved = time_layout(CFG, sized(CFG, est.par, mixed, 32, 1, layers, shares, "flash"))
             assert moved.step_time >= (1 - 1e-4) * est.step_time, (layers, shares)
     pipelined = estimate(CFG, par, mixed, global_batch=32, micro_batch=1)
     assert pipelined.step_time < time_layout(CFG, split_layout(CFG, par, mixed, 32, 1)).step_time

@@ -192,7 +192,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
     layers = _proportional(cfg.n_layer, [speed[c % p] for c in range(chunks)])
     rates = [cluster.rate(ranks, par.precision) for ranks in replica]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
-    est = _sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention)
+    est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention)
     for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers
                                                            #   out of full stages
         free = [c - sum(m.values()) for c, m in zip(_capacities(cluster, par), est.stages)]
@@ -202,7 +202,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
             break
         layers[donor] -= 1
         layers[min(range(best, chunks, p), key=lambda c: layers[c])] += 1
-        est = _sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention)
+        est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention)
     return est
 
 
@@ -218,10 +218,11 @@ def _capacities(cluster, par) -> list[float]:
             for r in range(par.pp)]
 
 
-def _sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
-           attention: str) -> Estimate:
-    """The Estimate, untimed, of `par` with these layers per chunk and micro-batches per replica:
-    its memory sized on every stage, the fullest (relative to its capacity) as `memory`."""
+def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
+          attention: str = "flash") -> Estimate:
+    """The Estimate, untimed, of `par` (validated: `split_layout`'s) with these layers per chunk
+    and micro-batches per replica: its memory sized on every stage, the fullest (relative to its
+    capacity) as `memory`. `time_layout` times it: any split, e.g. lesson 07's uniform one."""
     sizing = (attention == "materialized", memory.layout_bytes(par.precision, par.reduce_fp32),
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, par.pp, max(shares), par.virtual_stages))
@@ -256,7 +257,7 @@ def refine(cfg, est: Estimate, attention: str = "flash") -> Estimate:
         for layers, b, shares in moves:
             layers = layers and [x + (c == b) for c, x in enumerate(layers)]
             shares = shares and [x + unit * (j == b) for j, x in enumerate(shares)]
-            moved = _sized(cfg, est.par, est.cluster, est.global_batch, est.micro_batch,
+            moved = sized(cfg, est.par, est.cluster, est.global_batch, est.micro_batch,
                            layers or est.layers, shares or est.shares, attention)
             if moved.fits:
                 tried.append(time_layout(cfg, moved, attention))

@@ -104,8 +104,10 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     if not fitting:
         raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero,
                                      recompute, precision))
-    ranked = rank(fitting)  # a mixed cluster's splits: the fastest few searched (`refine`)
-    return rank([refine(cfg, e, attention) for e in ranked[:REFINED]] + ranked[REFINED:])
+    ranked = rank(fitting)
+    if cluster.groups:  # a mixed cluster's splits: the fastest few searched (`refine`)
+        ranked = rank([refine(cfg, e, attention) for e in ranked[:REFINED]] + ranked[REFINED:])
+    return ranked
 
 
 def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
