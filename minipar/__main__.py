@@ -34,7 +34,7 @@ from minipar.train import NonFiniteLoss, train
 BPE_VOCAB = 512  # --tokenizer bpe without --vocab-size: small enough for the CPU presets
 
 
-SIZES = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+SIZES = ("n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "vocab_size", "seq_len")
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -52,11 +52,15 @@ def model_arguments(p, default: str) -> None:
     for name in SIZES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"override the preset's {name}")
+    p.add_argument("--mlp", choices=("gelu", "swiglu"), help="override the preset's MLP")
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
+                   help="override whether the head's weight is the token embedding's")
 
 
 def model_of(args) -> tuple[GPTConfig, str]:
     """The model and how to name it: the preset, with the sizes that were overridden."""
-    overrides = {k: getattr(args, k) for k in SIZES if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in (*SIZES, "mlp", "tie_embeddings")
+                 if getattr(args, k) is not None}
     name = args.model + "".join(f" {k}={v}" for k, v in overrides.items())
     return GPTConfig.preset(args.model, **overrides), name
 
@@ -265,7 +269,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank the layouts of a model on a cluster by predicted step "
                                     "time",
                        formatter_class=Help)
-    model_arguments(p, "gpt2-xl")
+    model_arguments(p, "llama3-8b")
     p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=512, help="sequences a step")
@@ -276,9 +280,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 
 def run_plan(args) -> None:
     (cfg, name), cluster = model_of(args), Cluster.preset(args.cluster, nodes=args.nodes)
-    for name in ("top", "global_batch"):  # before the header: nothing printed for a bad request
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be a positive integer, got {getattr(args, name)}")
+    for field in ("top", "global_batch"):  # before the header: nothing printed for a bad request
+        if getattr(args, field) < 1:
+            raise ValueError(f"{field} must be a positive integer, got {getattr(args, field)}")
     print(f"model {name}: {cfg.num_params / 1e9:.2f} B parameters | {cluster.world} GPUs "
           f"({args.cluster} x {args.nodes}) | global batch {args.global_batch}")
     try:

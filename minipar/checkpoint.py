@@ -26,9 +26,10 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from minipar.pipeline.runtime import gather_stages
-from minipar.tensor_parallel import block_of, gather_blocks
+from minipar.tensor_parallel import TPGroup
 from minipar.zero import ZeroOptimizer
 from minipar.zero3 import Zero3
 
@@ -198,3 +199,27 @@ def _zero_load(zero, moments: dict) -> None:
             mine.optimizer.state[piece] = {"step": torch.tensor(step, dtype=torch.float32),
                                            **{k: v[a:b].clone().to(piece.dtype) for k,
                                               v in flat.items()}}
+
+
+def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """The part of a full tensor (a weight, an Adam moment) that `param`
+    holds: its block, or all of it."""
+    return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param,
+                                                                               "tp_dim") else full
+
+
+def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """The full tensor from every rank's block of it, cut as `param`
+    is (a collective), on the CPU."""
+    if tp is None or not hasattr(param, "tp_dim"):
+        return tensor.detach().cpu().clone()
+    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
+    return torch.cat(parts, param.tp_dim).cpu()
+
+
+def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """The single-device weights, blocks gathered from every rank of the group (a collective),
+    under every name GPT.state_dict gives them (a tied weight under both)."""
+    return {name: gather_blocks(p, p, tp)
+            for name, p in model.named_parameters(remove_duplicate=False)}

@@ -18,6 +18,12 @@ DP_MODES = ("naive", "bucketed")
 COLLECTIVES = ("minipar", "torch")
 
 
+def tp_sizes(cfg) -> dict[str, int]:
+    """The model's sizes that tensor parallelism cuts, each of which tp must divide."""
+    return {"n_head": cfg.n_head, "n_kv_head": cfg.kv_heads, "ffn_hidden": cfg.ffn_dim,
+            "vocab_size": cfg.vocab_size}
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -190,12 +196,21 @@ class ParallelConfig:
         if not self.dp_shares and global_batch % (self.dp * self.microbatches):
             raise ValueError(f"global_batch ({global_batch}) must divide by dp * microbatches "
                              f"({self.dp} * {self.microbatches} = {self.dp * self.microbatches})")
-        if cfg.n_head % self.tp:
-            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's n_head "
-                             f"({cfg.n_head})")
-        if cfg.vocab_size % self.tp:
-            raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's vocab_size "
-                             f"({cfg.vocab_size})")
+        for name, size in tp_sizes(cfg).items():
+            if size % self.tp:
+                raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's {name} "
+                                 f"({size})" + (": minipar splits the key/value heads, it does "
+                                                "not replicate them" if name == "n_kv_head"
+                                                else ""))
+        if cfg.tie_embeddings and self.pp > 1:
+            raise ValueError("GPTConfig.tie_embeddings needs pp = 1: the embedding and the head "
+                             "would sit on different stages, whose copies of the weight need a "
+                             "gradient all-reduce between them (Megatron's embedding group), which "
+                             "minipar does not have")
+        if cfg.tie_embeddings and self.zero == 3:
+            raise ValueError("GPTConfig.tie_embeddings needs zero <= 2: ZeRO-3 gathers and frees "
+                             "each module's parameters, and the embedding's weight would belong "
+                             "to two units (the embedding and the head)")
         if self.pp * self.virtual_stages > cfg.n_layer:
             raise ValueError(f"pp * virtual_stages ({self.pp} * {self.virtual_stages}) must not "
                              "exceed the "

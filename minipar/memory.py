@@ -1,5 +1,4 @@
-"""Memory per rank, by category: params, grads, optimizer,
-activations, comm; measured and predicted.
+"""Memory per rank by category (params, grads, optimizer, activations, comm): measured, predicted.
 
 Persistent state is counted exactly, as the bytes of the tensors that hold it. Activations are what
 autograd saves for the backward pass: `ActivationMeter` watches every tensor saved during forward
@@ -13,9 +12,10 @@ activations by Korthikanti et al.'s per-layer count adjusted to what this GPT sa
 buffers by what each technique allocates. `zero_table` recomputes the ZeRO paper's Table I.
 
 Each fact is written once, and the planner (minipar/planner/) counts with the same functions:
-`chunk_units` is the parameters one TP rank holds of a model chunk (every other parameter count is
-their sum), `rank_states` a rank's model states and communication buffers as zero.py allocates them,
-`element_bytes` and `layout_bytes` what an activation and a parameter's states take.
+`block_params` and `chunk_params` the parameters one TP rank holds of a block and of a model chunk
+(every other parameter count is their sum), `rank_states` a rank's model states and communication
+buffers as zero.py allocates them, `element_bytes` and `layout_bytes` what an activation and a
+parameter's states take.
 """
 from __future__ import annotations
 
@@ -48,8 +48,7 @@ def optimizer_tensors(optimizer):
 
 
 def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0) -> dict[str, int]:
-    """A rank's memory by category, in bytes, from the tensors it
-    holds in each (each storage once)."""
+    """A rank's memory by category, in bytes, from the tensors it holds (each storage once)."""
     return {
         "params": tensor_bytes(params),
         "grads": tensor_bytes(grads),
@@ -112,32 +111,52 @@ def zero_table(psi: float, n_d: int, k: int = 12) -> dict[int, float]:
     return {stage: sum(model_states(psi, n_d, stage, per).values()) / 1e9 for stage in range(4)}
 
 
-def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
-    """Parameters one of t tensor-parallel ranks holds of a model chunk of `layers` blocks (the
-    embeddings on the first chunk, ln_f and the head on the last), as the ZeRO-3 units `zero.Zero3`
-    cuts, in forward order. tensor_parallel.py cuts the matrices, the embeddings and the head;
-    LayerNorms, row-parallel biases and positions stay whole:
+def block_params(cfg, t: int = 1) -> list[tuple[int, bool]]:
+    """(elements, whole) of each parameter of one block on one of t tensor-parallel ranks, in the
+    model's order; whole: one TP leaves whole on every rank (LayerNorms, row-parallel biases; with
+    SP their gradients are partial), the others are cut by t. h = d_model, k = kv_dim, f = ffn_dim:
 
-      tok_emb V h/t | pos_emb s h | block (12 h^2 + 6 h)/t + 6 h each | ln_f 2 h | head (V h + V)/t
+      ln1 (h, h) | q (h^2, h) | k (h k) | v (h k, k) | proj (h^2, h) | ln2 (h, h) |
+      gelu: fc (h f, f) | proj (h f, h)       swiglu: gate (h f) | fc (h f) | proj (h f)
 
-    The one parameter formula: every count below is a sum of these (t
-    = 1, whole model: cfg.num_params)."""
-    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    units = [V * h // t, s * h] if first else []
-    units += [(12 * h * h + 6 * h) // t + 6 * h] * layers
-    return units + ([2 * h, (V * h + V) // t] if last else [])
+    with every matrix and column-parallel bias /t. GPT-2 (k = h, f = 4h): (12 h^2 + 6 h)/t + 6 h."""
+    h, k, f, cut, whole = cfg.d_model, cfg.kv_dim, cfg.ffn_dim, False, True
+    attn = [(h, whole), (h, whole), (h * h, cut), (h, cut), (h * k, cut), (h * k, cut), (k, cut),
+            (h * h, cut), (h, whole), (h, whole), (h, whole)]
+    mlp = [(h * f, cut)] * 3 if cfg.mlp == "swiglu" else [(h * f, cut), (f, cut), (h * f, cut),
+                                                          (h, whole)]
+    return [(n if whole else n // t, whole) for n, whole in attn + mlp]
 
 
 def chunk_params(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
-    """Elements of each parameter one of t tensor-parallel ranks holds of a model chunk, in the
-    model's order (`chunk_units` is their sum by unit): per block ln1 (h, h), q (h^2/t, h/t), k
-    (h^2/t, no bias), v (h^2/t, h/t), proj (h^2/t, h), ln2 (h, h), fc (4h^2/t, 4h/t), proj (4h^2/t,
-    h). Data parallelism's buckets are cut from them (data_parallel.split)."""
+    """Elements of each parameter one of t tensor-parallel ranks holds of a model chunk of `layers`
+    blocks, in the model's order (named_parameters: a tied head weight is the embedding's, not
+    counted again): tok_emb V h/t | pos_emb s h | `block_params` each block | ln_f (h, h) | head
+    (V h/t, V/t; untied). Data parallelism's buckets are cut from them (data_parallel.split). The
+    one parameter formula: every count is a sum of these (t = 1, the whole model:
+    cfg.num_params)."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    block = [h, h, h * h // t, h // t, h * h // t, h * h // t, h // t, h * h // t, h, h, h,
-             4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
-    return ([V * h // t, s * h] if first else []) + block * layers + \
-        ([h, h, V * h // t, V // t] if last else [])
+    head = [] if cfg.tie_embeddings else [V * h // t, V // t]
+    block = [n for n, _ in block_params(cfg, t)]
+    return ([V * h // t, s * h] if first else []) + block * layers + ([h, h] + head if last else [])
+
+
+def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
+    """The parameters of each ZeRO-3 unit `zero.Zero3` cuts a chunk into (`chunk_params` summed by
+    module, in forward order): tok_emb | pos_emb | each block | ln_f | head (untied)."""
+    sizes = chunk_params(cfg, t, layers, first, last)
+    ends = [1, 1] if first else []
+    ends_last = ([2] if cfg.tie_embeddings else [2, 2]) if last else []
+    counts = ends + [len(block_params(cfg))] * layers + ends_last
+    bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    return [sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def replicated_params(cfg, layers: int, first: bool, last: bool) -> int:
+    """Elements of a chunk that TP leaves whole (its partial gradients with SP): `block_params`'
+    whole ones, the positions on the first chunk, ln_f on the last. GPT-2: 6 l h + s h + 2 h."""
+    block = sum(n for n, whole in block_params(cfg) if whole)
+    return layers * block + cfg.seq_len * cfg.d_model * first + 2 * cfg.d_model * last
 
 
 def chunk_layers(cfg, par) -> list[int]:
@@ -183,11 +202,9 @@ def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1,
 
 
 def tp_params(cfg, t: int = 1) -> int:
-    """Parameters each of t tensor-parallel ranks holds, the sum of the whole model's `chunk_units`:
-
-        (12 l h^2 + 6 l h + 2 V h + V) / t  +  6 l h + s h + 2 h       (t = 1: cfg.num_params)
-    """
-    return sum(chunk_units(cfg, t, cfg.n_layer, True, True))
+    """Parameters each of t tensor-parallel ranks holds, the sum of the whole model's `chunk_params`
+    (GPT-2: (12 l h^2 + 6 l h + 2 V h + V) / t + 6 l h + s h + 2 h; t = 1: cfg.num_params)."""
+    return sum(chunk_params(cfg, t, cfg.n_layer, True, True))
 
 
 def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: bool = False,
@@ -201,8 +218,11 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
           4 sbh e    inputs of ln1 and ln2, their outputs (the regions' inputs)
           4 sb e     mean and 1/std of the two LayerNorms
         inside (/t):
-         12 sbh e    q, k, v, the attention output, the GELU's input (4) and output (4)
+          (2 h + 2 k) sb e   q, k, v (k = kv_dim each), the attention output
+          2 f sb e   gelu: the GELU's input and output (f = ffn_dim)
+          4 f sb e   swiglu: the gate's output, its SiLU, the up projection, their product
           4 asb      the attention's log-sum-exp, fp32
+        (GPT-2, k = h, f = 4 h: 12 sbh e inside)
     That is Korthikanti's count less what minipar does not store: the two dropout masks (2 sbh:
     dropout is off) and the attention matrix (5as^2b: F.scaled_dot_product_attention's fused kernel
     keeps only the log-sum-exp and recomputes the probabilities in backward).
@@ -219,7 +239,8 @@ def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: b
     e, cut = element_bytes, t if sp else 1
     loss, tokens = (4 * s * b * V + 4, 16 * s * b) if t == 1 else (4 * s * b * V // t + 9 * s * b,
                                                                    9 * s * b)
-    outside, inside = 4 * s * b * h * e + 4 * s * b * e, 12 * s * b * h * e + 4 * a * s * b
+    width = 2 * h + 2 * cfg.kv_dim + (4 if cfg.mlp == "swiglu" else 2) * cfg.ffn_dim
+    outside, inside = 4 * s * b * h * e + 4 * s * b * e, width * s * b * e + 4 * a * s * b
     layer = {"none": outside // cut + inside // t,
              "selective": outside // cut + (inside - 4 * a * s * b) // t,
              "full": s * b * h * e // cut}[recompute]

@@ -3,16 +3,29 @@
 Decoder-only transformer in the GPT-2 shape (Radford et al. 2019; the code follows nanoGPT):
 learned positions, pre-LayerNorm blocks, causal self-attention through
 `F.scaled_dot_product_attention`, a 4h GELU MLP, and an output head that is *not* tied to the token
-embedding (so the first and the last pipeline stage own separate weights). Two departures from
-GPT-2: the head is untied, and the key projection has no bias. A key bias adds the same q.b to every
-score of a row, which softmax ignores: its gradient is zero up to rounding, and Adam would turn that
-rounding into updates that differ between layouts (Whisper drops it for the same reason).
+embedding by default (so the first and the last pipeline stage own separate weights). Two
+departures from GPT-2: the head is untied, and the key projection has no bias. A key bias adds the
+same q.b to every score of a row, which softmax ignores: its gradient is zero up to rounding, and
+Adam would turn that rounding into updates that differ between layouts (Whisper drops it for the
+same reason).
 
-Size, with h = d_model, l = n_layer, V = vocab_size, s = seq_len (biases and LayerNorms included):
-    parameters  P = 12 l h^2 + 12 l h + 2 V h + s h + 2 h + V      (`GPTConfig.num_params`)
-    FLOPs per token, forward + backward, no recomputation (Korthikanti
-    et al. 2022, eq. 7, per token):
-                72 l h^2 (1 + s/(6h) + V/(12 l h))                 (`GPTConfig.flops_per_token`)
+Today's shapes, as options (Llama 3's, Dubey et al. 2024, Table 3; LayerNorm, learned positions and
+the attention biases stay GPT-2's, so only the shapes change):
+    n_kv_head       grouped-query attention (Ainslie et al. 2023): k and v have n_kv_head heads,
+                    each shared by n_head / n_kv_head query heads
+    ffn_hidden      the MLP's width f (default 4 h)
+    mlp="swiglu"    proj(silu(gate x) * fc x), three f x h matrices, no biases (Shazeer 2020)
+    tie_embeddings  the head's weight is the token embedding's, and the head has no bias
+
+Size, with h = d_model, l = n_layer, V = vocab_size, s = seq_len, k = n_kv_head h / n_head (the
+key and value width), f = ffn_hidden (biases and LayerNorms included):
+    parameters  P = l (W + B) + V h + s h + 2 h + (V h + V, untied)   (`GPTConfig.num_params`)
+                W = 2 h^2 + 2 h k + 2 h f (gelu) or 3 h f (swiglu)     the matrices of a layer
+                B = 6 h + k + (f + h, gelu)     its biases (q, v, proj; fc and proj) and LayerNorms
+                (GPT-2: W = 12 h^2, B = 12 h)
+    FLOPs per token, forward + backward, no recomputation (Korthikanti et al. 2022, eq. 7, per
+    token, there 72 l h^2 (1 + s/(6h) + V/(12 l h)) for W = 12 h^2):
+                6 l W + 12 l s h + 6 V h                               (`GPTConfig.flops_per_token`)
 This file knows nothing about ranks; parallelism is applied from outside.
 """
 from __future__ import annotations
@@ -37,6 +50,10 @@ class GPTConfig:
     vocab_size: int = 96    # tokens; 96 = the character tokenizer of minipar.data
     seq_len: int = 64       # context length s (positions learned up to it)
     dropout: float = 0.0    # off by default, so that every layout computes the same function
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    ffn_hidden: int | None = None  # the MLP's width f; None: 4 d_model
+    mlp: str = "gelu"       # "gelu" (GPT-2) or "swiglu" (Llama)
+    tie_embeddings: bool = False  # the head's weight is the token embedding's (no head bias)
 
     PRESETS = {  # name -> fields; the GPT-2 sizes pad the vocabulary to 50304 (a multiple of 128)
         "tiny":        dict(n_layer=4, n_head=4, d_model=64, vocab_size=96, seq_len=64),
@@ -45,6 +62,17 @@ class GPTConfig:
         "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, vocab_size=50304, seq_len=1024),
         "gpt2-large":  dict(n_layer=36, n_head=20, d_model=1280, vocab_size=50304, seq_len=1024),
         "gpt2-xl":     dict(n_layer=48, n_head=25, d_model=1600, vocab_size=50304, seq_len=1024),
+        # Llama 3's shapes (Dubey et al. 2024, Table 3: layers, model dimension, FFN dimension,
+        # heads, key/value heads; vocabulary 128K = 128256), at 8K context (its pre-training
+        # length)
+        "llama-tiny":  dict(n_layer=4, n_head=8, n_kv_head=2, d_model=64, ffn_hidden=176,
+                            vocab_size=96, seq_len=64, mlp="swiglu"),
+        "llama3-8b":   dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
+                            vocab_size=128256, seq_len=8192, mlp="swiglu"),
+        "llama3-70b":  dict(n_layer=80, n_head=64, n_kv_head=8, d_model=8192, ffn_hidden=28672,
+                            vocab_size=128256, seq_len=8192, mlp="swiglu"),
+        "llama3-405b": dict(n_layer=126, n_head=128, n_kv_head=8, d_model=16384,
+                            ffn_hidden=53248, vocab_size=128256, seq_len=8192, mlp="swiglu"),
     }
 
     def __post_init__(self):
@@ -52,9 +80,24 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("n_kv_head", "ffn_hidden"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"GPTConfig.{name} must be None or a positive integer, got "
+                                 f"{value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model ({self.d_model}) must divide by n_head "
                              f"({self.n_head})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must divide by n_kv_head "
+                             f"({self.kv_heads}): each key/value head serves a group of query "
+                             "heads")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"GPTConfig.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"GPTConfig.tie_embeddings must be True or False, got "
+                             f"{self.tie_embeddings!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -68,43 +111,74 @@ class GPTConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """k: the width of the key and of the value projection."""
+        return self.kv_heads * (self.d_model // self.n_head)
+
+    @property
+    def ffn_dim(self) -> int:
+        """f: the MLP's width."""
+        return self.ffn_hidden or 4 * self.d_model
+
+    @property
+    def layer_matrices(self) -> int:
+        """W: the elements of a layer's weight matrices (the 2 W flops a token per forward)."""
+        h, k, f = self.d_model, self.kv_dim, self.ffn_dim
+        return 2 * h * h + 2 * h * k + (3 if self.mlp == "swiglu" else 2) * h * f
+
+    @property
     def num_params(self) -> int:
-        l, h, V, s = self.n_layer, self.d_model, self.vocab_size, self.seq_len
-        return 12 * l * h * h + 12 * l * h + 2 * V * h + s * h + 2 * h + V
+        h, V, s = self.d_model, self.vocab_size, self.seq_len
+        biases = 6 * h + self.kv_dim + (self.ffn_dim + h if self.mlp == "gelu" else 0)
+        head = 0 if self.tie_embeddings else V * h + V
+        return self.n_layer * (self.layer_matrices + biases) + V * h + s * h + 2 * h + head
 
     @property
     def flops_per_token(self) -> float:
         l, h, V, s = self.n_layer, self.d_model, self.vocab_size, self.seq_len
-        return 72 * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+        return 6 * l * self.layer_matrices + 12 * l * s * h + 6 * V * h
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.n_head, self.n_kv_head, self.dropout = cfg.n_head, cfg.kv_heads, cfg.dropout
         self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # see the module docstring
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)  # see the module docstring
+        self.v = nn.Linear(cfg.d_model, cfg.kv_dim)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x):                                                    # (B, T, h)
-        q, k, v = (rearrange(lin(x), "b t (nh hd) -> b nh t hd", nh=self.n_head)
-                   for lin in (self.q, self.k, self.v))
+        q, k, v = (rearrange(lin(x), "b t (nh hd) -> b nh t hd", nh=heads) for lin, heads in
+                   ((self.q, self.n_head), (self.k, self.n_kv_head), (self.v, self.n_kv_head)))
         return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))  # (B, T, h)
 
-    def core(self, q, k, v):  # (B, nh, T, hd) each -> (B, nh, T, hd): causal
-                              #   softmax(q k^T / sqrt(hd)) v
+    def core(self, q, k, v):  # q (B, nh, T, hd), k and v (B, n_kv, T, hd) -> (B, nh, T, hd):
+                              #   causal softmax(q k^T / sqrt(hd)) v, query head i on kv head
+                              #   i // (nh / n_kv)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+                                              dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
+    """gelu: proj(GELU(fc x)); swiglu: proj(SiLU(gate x) * fc x), no biases."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        bias, self.swiglu = cfg.mlp == "gelu", cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.fc = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=bias)
+        self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=bias)
 
     def forward(self, x):
+        if self.swiglu:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -130,8 +204,10 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=not cfg.tie_embeddings)
         self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2l)
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))

@@ -93,10 +93,11 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
              "optimizer": master * sum(shards) + (per["optimizer"] - master)
              * sum(o for _, o in flats) + 4 * sum(_in_shard(unit, n, rank) for unit in sizes)}
     b = par.dp_rows(global_batch)[rank] // par.microbatches
-    s, h, V, a = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_head
+    s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     e = memory.element_bytes(par.precision)
     x, st = s * b * h * e, 2 * s * b * e
-    saved = [8 * s * b, 8 * s] + [16 * x + 2 * st + 4 * a * s * b] * cfg.n_layer + [x + st, x]
+    layer = sum(freed for freed, _ in _block_events(cfg, b, e, 0))
+    saved = [8 * s * b, 8 * s] + [layer] * cfg.n_layer + [x + st, x]
     loss, u = 4 * s * b * V + 4 + 8 * s * b, len(sizes)
     live = {"gathered": set(), "pending": [], "shards": set(), "scratch": 0, "act": 0}
     best = {}
@@ -144,10 +145,10 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
 
 def _unit_sizes(cfg) -> list[list[int]]:
     """The parameters' sizes of each ZeRO-3 unit, in forward order (t = 1)."""
-    sizes, blocks = memory.chunk_params(cfg, 1, cfg.n_layer, True, True), cfg.n_layer
-    per_block = (len(sizes) - 6) // blocks
+    sizes, per_block = memory.chunk_params(cfg, 1, cfg.n_layer, True, True), len(
+        memory.block_params(cfg))
     return [sizes[:1], sizes[1:2]] + [sizes[2 + k * per_block: 2 + (k + 1) * per_block]
-                                      for k in range(blocks)] + [sizes[-4:-2], sizes[-2:]]
+                                      for k in range(cfg.n_layer)] + [sizes[-4:-2], sizes[-2:]]
 
 
 def _in_shard(sizes: list[int], n: int, rank: int) -> int:
@@ -164,18 +165,32 @@ def _in_shard(sizes: list[int], n: int, rank: int) -> int:
 def _backward_events(cfg, b: int, e: int) -> list[tuple[int, list[int]]]:
     """Backward as autograd runs it, node by node: (activation bytes the node frees, the indices in
     chunk_params' order of the parameters whose gradients arrive after it, last first). A node frees
-    what it saved as it ends, before the gradients it made reach their parameters; ln1's output,
-    saved by v, k and q, goes with the last of them."""
-    s, h, V, a, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_head, cfg.n_layer
-    x, st = s * b * h * e, 2 * s * b * e
-    top = 2 + 15 * L  # ln_f's weight
+    what it saved as it ends, before the gradients it made reach their parameters. A tied head's
+    weight is the embedding's: its gradient arrives with the embedding's, last."""
+    s, h, V, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer
+    x, st, per = s * b * h * e, 2 * s * b * e, len(memory.block_params(cfg))
+    top = 2 + per * L  # ln_f's weight
     events = [(4 * s * b * V + 4 + 8 * s * b, []),  # the loss
-              (x, [top + 3, top + 2]), (x + st, [top + 1, top])]  # the head, ln_f
-    for o in (2 + 15 * k for k in reversed(range(L))):
-        events += [(4 * x, [o + 14, o + 13]), (4 * x, []), (x, [o + 12, o + 11]),
-                   (x + st, [o + 10, o + 9]), (x, [o + 8, o + 7]), (3 * x + 4 * a * s * b, []),
-                   (0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2]), (x + st, [o + 1, o])]
+              (x, [] if cfg.tie_embeddings else [top + 3, top + 2]), (x + st, [top + 1, top])]
+    for k in reversed(range(L)):  # the head, ln_f, the blocks
+        events += _block_events(cfg, b, e, 2 + per * k)
     return events + [(8 * s, [1]), (8 * s * b, [0])]
+
+
+def _block_events(cfg, b: int, e: int, o: int) -> list[tuple[int, list[int]]]:
+    """`_backward_events` of the block whose first parameter is the o-th: the MLP's nodes (GELU:
+    proj, the GELU, fc; SwiGLU: proj, the product, fc, the SiLU, the gate), ln2, the attention's
+    (proj, the core, v, k, q) and ln1. ln2's output goes with the last linear that saved it (fc, or
+    the gate), ln1's with q."""
+    s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
+    x, st = s * b * h * e, 2 * s * b * e
+    kv, f = s * b * cfg.kv_dim * e, s * b * cfg.ffn_dim * e  # a key (value), an MLP activation
+    if cfg.mlp == "swiglu":
+        mlp = [(f, [o + 13]), (2 * f, []), (0, [o + 12]), (f, []), (x, [o + 11])]
+    else:
+        mlp = [(f, [o + 14, o + 13]), (f, []), (x, [o + 12, o + 11])]
+    return mlp + [(x + st, [o + 10, o + 9]), (x, [o + 8, o + 7]), (x + 2 * kv + 4 * a * s * b, []),
+                  (0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2]), (x + st, [o + 1, o])]
 
 
 def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:

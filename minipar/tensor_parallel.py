@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from minipar import comm
-from minipar.model import GPT, CausalSelfAttention
+from minipar.config import tp_sizes
+from minipar.model import GPT, MLP, CausalSelfAttention
 
 
 @dataclass(frozen=True)
@@ -186,16 +187,17 @@ def _shard(param: torch.Tensor | None, dim: int, tp: TPGroup) -> nn.Parameter | 
     `partition_dim` attribute)."""
     if param is None:
         return None
-    # as block_of cuts
+    # as checkpoint.block_of cuts
     block = nn.Parameter(param.detach().tensor_split(tp.size, dim)[tp.rank].clone())
     block.tp_dim = dim
     return block
 
 
-def _replicated(param: nn.Parameter, tp: TPGroup) -> nn.Parameter:
+def _replicated(param: nn.Parameter | None, tp: TPGroup) -> nn.Parameter | None:
     """A parameter every rank holds whole; with SP, each uses it on
     its shard: its gradient is partial."""
-    param.sequence_partial = tp.sequence_parallel
+    if param is not None:
+        param.sequence_partial = tp.sequence_parallel
     return param
 
 
@@ -238,23 +240,44 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention on a/t heads: q, k, v column-parallel (one
-    f for the three), proj row-parallel."""
+    """Causal self-attention on a/t query heads and n_kv/t key/value heads: q, k, v column-parallel
+    (one f for the three), proj row-parallel. Query heads share a key/value head in contiguous
+    groups, so rank r's query heads use exactly rank r's key/value heads."""
 
     def __init__(self, attn: CausalSelfAttention, tp: TPGroup):
         super().__init__()
-        self.tp, self.n_head, self.dropout = tp, attn.n_head // tp.size, attn.dropout
+        self.tp, self.dropout = tp, attn.dropout
+        self.n_head, self.n_kv_head = attn.n_head // tp.size, attn.n_kv_head // tp.size
         self.q, self.k, self.v = (ColumnParallelLinear(lin, tp) for lin in (attn.q, attn.k, attn.v))
         self.proj = RowParallelLinear(attn.proj, tp)
 
     # (B, T, h) or (B, T/t, h) with SP
     def forward(self, x):
-        q, k, v = (rearrange(y, "b t (nh hd) -> b nh t hd", nh=self.n_head)
-                   for y in column_parallel(x, [self.q, self.k, self.v], self.tp))
+        q, k, v = (rearrange(y, "b t (nh hd) -> b nh t hd", nh=heads) for y, heads in
+                   zip(column_parallel(x, [self.q, self.k, self.v], self.tp),
+                       (self.n_head, self.n_kv_head, self.n_kv_head)))
         # like the input
         return self.proj(rearrange(self.core(q, k, v), "b nh t hd -> b t (nh hd)"))
 
     core = CausalSelfAttention.core  # the single-device attention, on this rank's heads
+
+
+class ParallelMLP(nn.Module):
+    """The MLP on f/t of its features: fc (and SwiGLU's gate) column-parallel under one f, proj
+    row-parallel. The activation is elementwise, so it needs no communication."""
+
+    def __init__(self, mlp: MLP, tp: TPGroup):
+        super().__init__()
+        self.tp, self.swiglu = tp, mlp.swiglu
+        if self.swiglu:
+            self.gate = ColumnParallelLinear(mlp.gate, tp)
+        self.fc, self.proj = ColumnParallelLinear(mlp.fc, tp), RowParallelLinear(mlp.proj, tp)
+
+    def forward(self, x):
+        if self.swiglu:
+            gate, up = column_parallel(x, [self.gate, self.fc], self.tp)
+            return self.proj(F.silu(gate) * up)
+        return self.proj(F.gelu(column_parallel(x, [self.fc], self.tp)[0], approximate="tanh"))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -333,8 +356,7 @@ def apply_tp(model: GPT, tp: TPGroup) -> GPT:
     t trains the same model. Parameter names stay the GPT's. Returns the model, whose forward now
     gives this rank's logit slice (B, T, V/t): train it with `vocab_parallel_cross_entropy`."""
     cfg = model.cfg
-    # n_head divides d_model
-    for name, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
+    for name, size in tp_sizes(cfg).items():  # (n_head divides d_model)
         if size % tp.size:
             raise ValueError(f"tp ({tp.size}) must divide the model's {name} ({size})")
     if tp.sequence_parallel and cfg.seq_len % tp.size:
@@ -344,15 +366,14 @@ def apply_tp(model: GPT, tp: TPGroup) -> GPT:
     if tp.sequence_parallel:
         model.pos_emb = SequenceShardedPositions(model.pos_emb, tp)
     for block in model.blocks:
-        block.attn = ParallelAttention(block.attn, tp)
-        block.mlp.fc, block.mlp.proj = ColumnParallelLinear(block.mlp.fc,
-                                                            tp), RowParallelLinear(block.mlp.proj,
-                                                                                   tp)
+        block.attn, block.mlp = ParallelAttention(block.attn, tp), ParallelMLP(block.mlp, tp)
         for norm in (block.ln1, block.ln2):
             norm.weight, norm.bias = _replicated(norm.weight, tp), _replicated(norm.bias, tp)
     model.ln_f.weight, model.ln_f.bias = _replicated(model.ln_f.weight,
                                                      tp), _replicated(model.ln_f.bias, tp)
     model.head = ColumnParallelLinear(model.head, tp)
+    if cfg.tie_embeddings:  # the same vocabulary rows as the embedding's block
+        model.head.weight = model.tok_emb.weight
     return model
 
 
@@ -370,25 +391,3 @@ def sync_sequence_parallel_grads(grads: list, tp: TPGroup) -> None:
 def sequence_partial(p) -> bool:
     """Whether SP leaves p's gradient partial on each TP rank (LayerNorms, row-parallel biases)."""
     return getattr(p, "sequence_partial", False)
-
-
-def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The part of a full tensor (a weight, an Adam moment) that `param`
-    holds: its block, or all of it."""
-    return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param,
-                                                                               "tp_dim") else full
-
-
-def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The full tensor from every rank's block of it, cut as `param`
-    is (a collective), on the CPU."""
-    if tp is None or not hasattr(param, "tp_dim"):
-        return tensor.detach().cpu().clone()
-    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
-    return torch.cat(parts, param.tp_dim).cpu()
-
-
-def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
-    """The single-device weights, blocks gathered from every rank of the group (a collective)."""
-    return {name: gather_blocks(p, p, tp) for name, p in model.named_parameters()}

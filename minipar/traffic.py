@@ -11,7 +11,8 @@ The formulas are the techniques' own (their module docstrings state them; docs/r
 from __future__ import annotations
 
 from minipar.data_parallel import split
-from minipar.memory import chunk_params, chunk_units, element_bytes, flat_shard, layout_bytes
+from minipar.memory import (chunk_params, chunk_units, element_bytes, flat_shard, layout_bytes,
+                            replicated_params)
 
 
 def dp(cfg, par, bytes_per_param: dict | None = None) -> dict[str, float]:
@@ -61,7 +62,8 @@ def tp(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
              all_gather      (6 l + 3) (t-1)/t X + (t-1) 4 b s     the extra 2 l + 1: inputs
                                                                    gathered again in backward
              all_reduce      the loss's, as above, + once a step 2(t-1)/t g (6 l h + s h + 2 h),
-                             the partial gradients (g bytes a gradient element)
+                             the partial gradients (g bytes a gradient element;
+                             memory.replicated_params for other shapes)
     times par.microbatches. Full recomputation (recompute.py) runs each layer's forward again in
     backward, as far as the backward needs it: up to the attention's g, so + l all-reduces of X (SP:
     + l reduce-scatters and + 2 l all-gathers, its two column-parallel inputs). Nothing is sent
@@ -75,7 +77,7 @@ def tp(cfg, par, global_batch: int, dp_rank: int = 0) -> dict[str, float]:
     x, stats, ring = b * cfg.seq_len * cfg.d_model * e, 4 * b * cfg.seq_len, (t - 1) / t
     m, again = par.microbatches, l * (par.recompute == "full")  # the layers' recomputed forwards
     if par.sequence_parallel:
-        partial = 6 * l * cfg.d_model + cfg.seq_len * cfg.d_model + 2 * cfg.d_model
+        partial = replicated_params(cfg, l, True, True)
         sent = {"reduce_scatter": m * (4 * l + 2 + again) * ring * x,
                 "all_gather": m * ((6 * l + 3 + 2 * again) * ring * x + (t - 1) * stats),
                 "all_reduce": m * 2 * 2 * ring * stats

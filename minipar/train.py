@@ -41,7 +41,6 @@ from minipar.model import GPT, GPTConfig
 from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F401 (make_optimizer)
 from minipar.pipeline.runtime import gather_stages
 from minipar.precision import DTYPES
-from minipar.tensor_parallel import full_state_dict
 from minipar.tracker import Tracker
 from minipar.zero3 import Zero3
 
@@ -386,7 +385,7 @@ def _final_weights(run: Parallel, mesh) -> dict:
     ZeRO-3 every rank gathers; every stage sends its share)."""
     if isinstance(run.optimizer, Zero3):
         run.optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
-    state = full_state_dict(run.model, run.tp) if run.tp else \
+    state = checkpoint.full_state_dict(run.model, run.tp) if run.tp else \
         {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
     return {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}
 

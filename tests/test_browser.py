@@ -166,7 +166,7 @@ def check(page, dash, start: dict, knobs: dict, old_plots: list[str]):
     assert got["label"] in (want.label, want.par.label)
     assert got["step_time"] == pytest.approx(want.step_time, rel=1e-9)
     assert got["mfu"] == pytest.approx(want.mfu, rel=1e-9)
-    assert got["memory"] == pytest.approx(want.total_memory, rel=1e-9)
+    assert got["memory"] == pytest.approx(want.peak_memory, rel=1e-9)
     assert got["fits"] == want.fits
     assert f"{want.step_time:.4g} s" in dash.locator(".minipar-summary").text_content()
     return got

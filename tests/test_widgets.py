@@ -28,7 +28,7 @@ def ex():
 def test_it_starts_at_the_winner_and_shows_its_estimate(ex):
     winner, data = ex.estimates[0], shown(ex)
     assert data["label"] == winner.label and data["step_time"] == winner.step_time
-    assert data["memory"] == winner.total_memory and data["mfu"] == pytest.approx(winner.mfu)
+    assert data["memory"] == winner.peak_memory and data["mfu"] == pytest.approx(winner.mfu)
     assert all(data[k] == getattr(winner.par, k) for k in ("dp", "tp", "pp", "zero"))
     assert ex.error_box.value == "" and len(ex.plots.outputs) == 2 and "layouts fit" in ex.ranking.outputs[0]["text"]
     assert ex.run_button.disabled  # a GPU cluster: nothing to run here

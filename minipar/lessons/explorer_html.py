@@ -56,7 +56,7 @@ def summary(est, best) -> str:
         return ""
     par, cfg = est.par, est.cfg
     data = dict(label=est.label, step_time=est.step_time, mfu=est.mfu, tflops=est.tflops_per_gpu,
-                memory=est.total_memory, capacity=est.capacity, fits=est.fits,
+                memory=est.peak_memory, capacity=est.capacity, fits=est.fits,
                 micro_batch=est.micro_batch,
                 global_batch=est.global_batch, cluster=est.cluster.name, nodes=est.cluster.nodes,
                 gpus=est.cluster.world, breakdown=est.breakdown,
@@ -69,7 +69,7 @@ def summary(est, best) -> str:
             f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step "
             f"<b>{est.step_time:.4g} s</b>{vs}; MFU <b>{est.mfu:.1%}</b>, "
             f"{rate(est.flops_per_gpu)} a GPU; fullest GPU "
-            f"<b>{size(est.total_memory)}</b> of {size(est.capacity)}: {fits}</div>")
+            f"<b>{size(est.peak_memory)}</b> of {size(est.capacity)}: {fits}</div>")
 
 
 def size(n: float) -> str:
@@ -86,9 +86,9 @@ def ab(a, b) -> str:
     """Layout A (pinned) beside B (the knobs): step, MFU, memory and each term, with B / A."""
     if a is None or b is None:
         return "<i>pin a layout as A to compare it with the knobs' (B) side by side</i>"
-    unit, name = memory_unit(a.total_memory, b.total_memory)
+    unit, name = memory_unit(a.peak_memory, b.peak_memory)
     rows = [("step s", a.step_time, b.step_time), ("MFU", a.mfu, b.mfu),
-            (name, a.total_memory / unit, b.total_memory / unit)]
+            (name, a.peak_memory / unit, b.peak_memory / unit)]
     rows += [(t, a.breakdown[t], b.breakdown[t]) for t in TERMS]
     cells = "".join(f"<tr><td>{name}</td><td>{x:.4g}</td><td>{y:.4g}</td>"
                     f"<td>{f'{y / x:.3f}' if x else '-'}</td></tr>" for name, x, y in rows)

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from minipar import planner
 from minipar.memory import CATEGORIES
 from minipar.mesh import grid_ranks
+from minipar.planner import predict
 from minipar.planner.cluster import memory_unit
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -26,8 +27,8 @@ TERM_COLOURS = dict(zip(planner.TERMS,
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:
     """Memory per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order,
-    in GiB or, below 1 GiB, MiB (`memory_unit`), with each stage's capacity (its GPUs'
-    memory_per_gpu, the smallest if they differ) as a black tick."""
+    in GiB or, below 1 GiB, MiB (`memory_unit`), with each stage's capacity (what its GPUs' counted
+    tensors may fill, `predict.capacities`) as a black tick."""
     unit, name = memory_unit(*(sum(stage.values()) for stage in est.stages))
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.5 * len(est.stages)), 3.6),
@@ -38,11 +39,9 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
         gib = [est.stages[r].get(cat, 0) / unit for r in stages]
         ax.bar(list(stages), gib, 0.7, bottom=bottom, color=COLOURS[i], label=cat)
         bottom = [b + g for b, g in zip(bottom, gib)]
-    dp, tp, pp = est.par.dp, est.par.tp, est.par.pp
-    capacity = [min(est.cluster.device(x).memory_per_gpu for x in grid_ranks(dp, tp, pp, pp_rank=r))
-                / unit for r in stages]
+    capacity = [c / unit for c in predict.capacities(est.cluster, est.par)]
     ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2,
-              label="capacity")
+              label=f"usable ({est.cluster.usable:.0%} of memory)")
     if len(est.stages) <= 16:
         for r, total in zip(stages, bottom):
             ax.text(r, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7)

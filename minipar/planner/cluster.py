@@ -34,13 +34,19 @@ class Cluster:
     nodes: int
     memory_per_gpu: float     # bytes the training job may use on one GPU
     peak_flops: float         # dense bf16 FLOP/s of one GPU (the MFU denominator)
-    efficiency: float         # fraction of peak the model's matmuls achieve
-                              #   (one number per GPU kind)
+    efficiency: float         # the matmul ceiling: fraction of peak a full wave of tiles
+                              #   reaches (one number per GPU kind; gpu_time.matmul)
     intra_bandwidth: float    # bytes/s per GPU, one direction, within a node (NVLink)
     intra_latency: float      # s per message within a node
     inter_bandwidth: float    # bytes/s per GPU across nodes (its NIC)
     inter_latency: float      # s per message across nodes
     memory_bandwidth: float = 2.0e12  # HBM bytes/s: the memory-bound kernels and the optimizer step
+    sms: int = 108            # streaming multiprocessors: matmul tiles computed at once
+                              #   (gpu_time.matmul's waves)
+    usable: float = 0.8       # of memory_per_gpu, what the counted tensors may fill; the rest is
+                              #   the allocator's fragmentation and cache, NCCL's buffers, cuBLAS's
+                              #   workspaces and the CUDA context. The ZeRO paper's Table II
+                              #   measured about 80% of the theoretical model size as trainable
     name: str = "custom"
     groups: tuple = ()        # heterogeneous: homogeneous Clusters in rank order (see `mixed`)
     cpu: object = None        # None: GPUs, timed by gpu_time.py. A calibrate.CPU (set by
@@ -57,26 +63,29 @@ class Cluster:
     PRESETS = {
         "dgx-a100-80g": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=312e12,
                              intra_bandwidth=0.8 * 300e9, intra_latency=1e-6, inter_bandwidth=25e9,
-                             inter_latency=5e-6, memory_bandwidth=2.039e12),
+                             inter_latency=5e-6, memory_bandwidth=2.039e12, sms=108),
         "dgx-h100": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=989e12,
                          intra_bandwidth=0.8 * 450e9,
                          intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                         memory_bandwidth=3.35e12),
+                         memory_bandwidth=3.35e12, sms=132),
         "h200": dict(gpus_per_node=8, memory_per_gpu=139 * GiB, peak_flops=989e12,
                      intra_bandwidth=0.8 * 450e9,
                      intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                     memory_bandwidth=4.8e12),           # 139 GiB: what torch reports
+                     memory_bandwidth=4.8e12, sms=132),           # 139 GiB: what torch reports
                                                          #   on one H200 here
     }
-    # The fraction of peak the model's matmuls reach: one number per GPU kind, never fitted to a row
-    # of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B layer with sequence
-    # parallelism (t = 8, b = 4, no recomputation) at 7.2 ms forward + 11.8 ms backward; take off
-    # this model's TP and memory-bound time and the matmuls ran at 0.72 of 312 TFLOP/s
-    # (`gpu_time.fit_efficiency` redoes it; the table's other four rows then come out within 10%).
-    # H100, H200: no layer timing is published beside the figures we check, so the A100's 0.72 is
-    # assumed, unvalidated (the one Hopper measurement we have, an 8192^3 bf16 matmul at 790 of 989
-    # TFLOP/s on an H200, is an upper bound): run `gpu_time.fit_efficiency` on a measured layer.
-    EFFICIENCY = {"dgx-a100-80g": 0.72, "dgx-h100": 0.72, "h200": 0.72}
+    # The ceiling: the fraction of peak a full wave of matmul tiles reaches (gpu_time.matmul adds
+    # the tile and wave quantization and the HBM bound of each matmul's shape), one number per GPU
+    # kind, never fitted to a row of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B
+    # layer with sequence parallelism (t = 8, b = 4, no recomputation) at 7.2 ms forward + 11.8 ms
+    # backward; under this model its matmuls then ran at a ceiling of 0.77
+    # (`gpu_time.fit_efficiency` redoes it; the table's other four rows then come out within
+    # 10%). H200: an 8192^3 bf16 matmul through PyTorch ran at 790 of 989 TFLOP/s on one H200
+    # (measured for minipar; `bench/gpu_check.py` measures it again where a GPU is lent), a
+    # ceiling of 0.82 once its last wave's idle SMs are counted (`gpu_time.ceiling_of`). H100 SXM:
+    # the same GH100 chip, SMs and peak, so the H200's ceiling, assumed (its HBM differs, and the
+    # bytes are modelled apart).
+    EFFICIENCY = {"dgx-a100-80g": 0.77, "dgx-h100": 0.82, "h200": 0.82}
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes"):
@@ -87,8 +96,9 @@ class Cluster:
                      "memory_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"Cluster.efficiency must be in (0, 1], got {self.efficiency!r}")
+        for name in ("efficiency", "usable"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"Cluster.{name} must be in (0, 1], got {getattr(self, name)!r}")
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> "Cluster":

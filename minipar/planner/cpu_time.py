@@ -271,8 +271,8 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
         )
         opt = max(opt, optimizer_time(par, sum(units), full, cpu, per) / speed(cpu, par.world))
         if par.sequence_parallel:  # the shard-used parameters' gradients, summed over the TP group
-            partial = sum(6 * cfg.d_model * est.layers[c] + cfg.seq_len * cfg.d_model * (c == 0) +
-                          2 * cfg.d_model * (c == chunks - 1) for c in mine)
+            partial = sum(memory.replicated_params(cfg, est.layers[c], c == 0, c == chunks - 1)
+                          for c in mine)
             sp = max(sp, ring("all_reduce", partial * per["grads"], par.tp, cpu))
     loss = ring("all_reduce", 8, par.dp, cpu) + ring("all_reduce", 8, p, cpu)
     computing, waiting = spent[busiest]

@@ -2,20 +2,27 @@
 
 `predict.py` composes these pieces into a step time and a memory footprint. Per micro-batch of b
 sequences of s tokens, on one GPU of a stage holding its layers split t ways (t = tp), e bytes a
-16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency
-(fp32 runs as TF32: half the peak):
+16-bit (2) or fp32 (4) activation, rate = peak_flops * efficiency, the ceiling (fp32 runs as TF32:
+half the peak):
 
-  matmuls, a layer  F = (24 b s h^2 + 4 b s^2 h) / t FLOPs, backward 2F: the model FLOPs of
-                    Korthikanti et al. 2022 eq. 7, 72 b s l h^2 (1 + s/(6h) + V/(12 l h)) with the
-                    head, over 3. ZB-H1 splits the backward (Qi et al. 2023):
-                    B = (24 b s h^2 + 8 b s^2 h)/t, W = 24 b s h^2/t
-  head              F = 2 b s h V / t (the logits, last stage), backward 4 b s h V / t; memory-bound
-                    s b V/t (2e + 4) bytes forward (logits written and read, fp32 log-probabilities)
+  matmuls           each matmul of a layer (`layer_matmuls`: q, k, v, proj, the MLP's) and of the
+                    attention core gets its time from its shape (`matmul`): its output cut into
+                    128 x 128 tiles, computed a wave of `sms` tiles at a time at the ceiling (tile
+                    and wave quantization), bounded below by its bytes at HBM speed (a roofline).
+                    So b, t, h, the FFN width and the key/value width all move the efficiency.
+                    Backward: each (m, n, k) has an input gradient (m, k, n) and a weight gradient
+                    (n, k, m); the FLOPs are Korthikanti et al. 2022 eq. 7's, 72 b s l h^2 (1 +
+                    s/(6h) + V/(12 l h)) with the head, for GPT-2's shapes. ZB-H1 (Qi et al. 2023)
+                    splits the backward: B the input gradients and the attention core's backward,
+                    W the weight gradients (GPT-2: B = (24 b s h^2 + 8 b s^2 h)/t, W = 24 b s h^2/t)
+  head              the logits (b s, V/t, h) (the last stage), memory-bound s b V/t (2e + 4)
+                    bytes forward (logits written and read, fp32 log-probabilities)
   recompute         selective: the attention core's forward again, 4 b s^2 h / t FLOPs; full: the
                     whole forward of the layer again (matmuls, memory traffic and TP all-reduces)
   memory-bound      bytes / HBM bandwidth. Per layer forward: LayerNorms and residual adds 10 s b h
-                    e (/t with SP), the GELU 8 s b h e / t; materialised attention (Megatron-LM in
-                    2022, not minipar's fused SDPA) 13 a s^2 b / t more: the scores written (2),
+                    e (/t with SP), the GELU 2 f s b e / t (SwiGLU 5 f: SiLU in and out,
+                    the product's inputs and output); materialised attention (Megatron-LM
+                    in 2022, not minipar's fused SDPA) 13 a s^2 b / t more: the scores written (2),
                     softmaxed (2 + 2), dropped out (2 + 2 + a 1-byte mask), read by the PV matmul
                     (2). Backward moves twice the forward's bytes (it reads what was saved and the
                     output gradient, writes the input's)
@@ -29,10 +36,11 @@ sequences of s tokens, on one GPU of a stage holding its layers split t ways (t 
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
                     the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
                     (overlapped the same way; bucketed stage 2 reduces every micro-batch, each
-                    but the last exposed only where longer than a micro-batch's compute) +
-                    all-gather of the updated parameters after the step (exposed); stage 3:
-                    per micro-batch 2 all-gathers + 1 reduce-scatter, prefetched under that
-                    micro-batch's compute, exposed where longer than it
+                    but the last hidden under a micro-batch's compute) + all-gather of the updated
+                    parameters after the step (exposed in minipar; "production": under the next
+                    forward); stage 3: per micro-batch 2 all-gathers + 1 reduce-scatter,
+                    prefetched under that micro-batch's compute. What overlaps sticks out where
+                    longer than its window and slows the compute under it by SLOWDOWN (`exposed`)
   optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM
                     speed (read the gradient, read and write the weights and the optimizer state)
 
@@ -67,6 +75,9 @@ def p2p(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth + link.latency
 
 
+TILE = 128  # the output tile one SM computes at a time, 128 x 128 (cuBLAS's and CUTLASS's usual)
+
+
 @dataclass(frozen=True)
 class Work:
     """How one GPU runs one micro-batch: its split, its kernels' speeds, its links."""
@@ -75,48 +86,100 @@ class Work:
     sp: bool
     recompute: str
     e: int                    # bytes an activation element
-    rate: float               # matmul FLOP/s
+    rate: float               # matmul FLOP/s of a full wave of tiles: peak * ceiling
     hbm: float                # HBM bytes/s
     tp_link: Link
     split: bool               # the schedule splits the backward into B and W (zb-h1)
     materialized: bool        # attention matrix written to memory (Megatron 2022) or fused (SDPA)
+    sms: int = 108            # streaming multiprocessors: tiles computed at once
+
+
+def waves(m: int, n: int, sms: int, batch: int = 1) -> int:
+    """Waves of TILE x TILE output tiles that `batch` (m x n) outputs take on `sms` SMs."""
+    return math.ceil(batch * math.ceil(m / TILE) * math.ceil(n / TILE) / sms)
+
+
+def ceiling_of(flops_per_s: float, size: int, cluster: Cluster) -> float:
+    """The ceiling a measured (size x size) @ (size x size) bf16 matmul at `flops_per_s` implies:
+    its rate over the peak, over the fraction of its last wave's tiles that are real."""
+    full = waves(size, size, cluster.sms) * cluster.sms
+    return flops_per_s / cluster.peak_flops / (math.ceil(size / TILE) ** 2 / full)
+
+
+def matmul(m: int, n: int, k: int, w: Work, batch: int = 1) -> float:
+    """Seconds of `batch` (m x k) @ (k x n) matmuls on one GPU: a roofline of the quantized compute
+    and the bytes. The output is cut into TILE x TILE tiles, computed `sms` at a time: a wave
+    takes 2 TILE^2 k / (rate / sms) seconds, however few of its tiles are real (tile and wave
+    quantization: a 129-row matmul costs two row tiles, 109 tiles on 108 SMs two waves). The
+    bytes, e (m k + k n + m n) a matmul, at HBM speed bound it from below (arithmetic intensity:
+    a small matmul waits for memory)."""
+    compute = waves(m, n, w.sms, batch) * 2 * TILE * TILE * k / (w.rate / w.sms)
+    return max(compute, batch * w.e * (m * k + k * n + m * n) / w.hbm)
+
+
+def layer_matmuls(cfg, b: int, t: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of each matmul of one layer's forward on one of t TP ranks, N = b s tokens (with
+    SP too: a column-parallel matmul runs on the gathered sequence): q (N, h/t, h), k and v (N,
+    kv/t, h), proj (N, h, h/t); the MLP's fc (and SwiGLU's gate) (N, f/t, h), proj (N, h, f/t)."""
+    n, h, kv, f = b * cfg.seq_len, cfg.d_model, cfg.kv_dim, cfg.ffn_dim
+    mlp = [(n, f // t, h)] * (2 if cfg.mlp == "swiglu" else 1) + [(n, h, f // t)]
+    return [(n, h // t, h), (n, kv // t, h), (n, kv // t, h), (n, h, h // t)] + mlp
+
+
+def dense_times(shapes, w: Work) -> tuple[float, float, float]:
+    """(forward, input-gradient B, weight-gradient W) seconds of these matmuls: each (m, n, k) of
+    the forward has a backward (m, k, n) for its input and (n, k, m) for its weight."""
+    return (sum(matmul(m, n, k, w) for m, n, k in shapes),
+            sum(matmul(m, k, n, w) for m, n, k in shapes),
+            sum(matmul(n, k, m, w) for m, n, k in shapes))
+
+
+def attention_times(cfg, w: Work) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core on a/t heads: per head and sequence
+    (s x hd) q k^T (s, s, hd) and p v (s, hd, s) forward, 4 b s^2 h / t FLOPs; backward dv, dp,
+    dq, dk, twice that (the model FLOPs: Korthikanti's count, no mask skipping)."""
+    s, hd, heads = cfg.seq_len, cfg.d_model // cfg.n_head, w.b * cfg.n_head // w.t
+    scores, mix = matmul(s, s, hd, w, heads), matmul(s, hd, s, w, heads)
+    return scores + mix, scores + 3 * mix
 
 
 def layer_cost(cfg, w: Work) -> dict[str, dict[str, float]]:
     """Seconds of one transformer layer, {"F"|"B"|"W": {component: s}} (module docstring)."""
     s, b, h, a, t = cfg.seq_len, w.b, cfg.d_model, cfg.n_head, w.t
-    dense, core = 24 * b * s * h * h / t, 4 * b * s * s * h / t
-    traffic = w.e * s * b * h * (10 / (t if w.sp else 1) + 8 / t) + (13 * a * s * s * b / t
-                                                                     if w.materialized else 0)
+    fwd_dense, b_dense, w_dense = dense_times(layer_matmuls(cfg, b, t), w)
+    fwd_core, b_core = attention_times(cfg, w)
+    act = (5 if cfg.mlp == "swiglu" else 2) * cfg.ffn_dim  # the MLP's elementwise bytes a token
+    traffic = w.e * s * b * (10 * h / (t if w.sp else 1) + act / t) + (13 * a * s * s * b / t
+                                                                       if w.materialized else 0)
     ar = all_reduce(b * s * h * w.e, t, w.tp_link)
-    fwd = {"compute": (dense + core) / w.rate, "memory_bound": traffic / w.hbm, "tp_comm": 2 * ar}
+    fwd = {"compute": fwd_dense + fwd_core, "memory_bound": traffic / w.hbm, "tp_comm": 2 * ar}
     redo = {"none": 0.0,
-            "selective": core / w.rate + (13 * a * s * s * b / t / w.hbm if w.materialized else 0),
+            "selective": fwd_core + (13 * a * s * s * b / t / w.hbm if w.materialized else 0),
             "full": sum(fwd.values())}[w.recompute]
-    bwd = {"compute": (dense + 2 * core if w.split else 2 * dense + 2 * core) / w.rate,
+    bwd = {"compute": b_dense + b_core + (0.0 if w.split else w_dense),
            "recompute": redo,
            "memory_bound": 2 * traffic / w.hbm, "tp_comm": 2 * ar}
-    return {"F": fwd, "B": bwd, "W": {"compute": dense / w.rate} if w.split else {}}
+    return {"F": fwd, "B": bwd, "W": {"compute": w_dense} if w.split else {}}
 
 
 def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, float]]:
     """Seconds of the embedding (first stage: its TP all-reduce and lookups) and the head (last
-    stage: final LayerNorm, logits, loss; the TP all-reduce before it in backward)."""
+    stage: final LayerNorm, logits (N, V/t, h), loss; the TP all-reduce before it in backward)."""
     s, b, h, V, t = cfg.seq_len, w.b, cfg.d_model, cfg.vocab_size, w.t
     ar = all_reduce(b * s * h * w.e, t, w.tp_link)
     out = {"F": {}, "B": {}, "W": {}}
     if first:
         out["F"] = {"memory_bound": 3 * s * b * h * w.e / w.hbm, "tp_comm": ar}
     if last:
-        logits = 2 * b * s * h * V / t
+        fwd, grad_in, grad_w = dense_times([(b * s, V // t, h)], w)
         # the logits written and read by the loss (2e), its fp32
         # log-probabilities (4); ln_f's input and output
         traffic = s * b * V / t * (2 * w.e + 4) + 2 * s * b * h * w.e / (t if w.sp else 1)
-        out["F"] = _add(out["F"], {"compute": logits / w.rate, "memory_bound": traffic / w.hbm})
-        out["B"] = {"compute": (1 if w.split else 2) * logits / w.rate,
+        out["F"] = _add(out["F"], {"compute": fwd, "memory_bound": traffic / w.hbm})
+        out["B"] = {"compute": grad_in + (0.0 if w.split else grad_w),
                     "memory_bound": 2 * traffic / w.hbm,
                     "tp_comm": ar}
-        out["W"] = {"compute": logits / w.rate} if w.split else {}
+        out["W"] = {"compute": grad_w} if w.split else {}
     return out
 
 
@@ -132,11 +195,32 @@ def _add(x: dict, y: dict) -> dict:
     return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in {**x, **y}}
 
 
+# Overlapped communication slows the compute it hides under: the kernels share the GPU's SMs and
+# memory. Galvatron measured 1.3x for computation overlapped with communication (Hetu-Galvatron's
+# overlap test); minipar charges it on the overlapped span: hiding x seconds of communication under
+# compute costs (SLOWDOWN - 1) x.
+SLOWDOWN = 1.3
+# Which of the DP/ZeRO collectives each implementation overlaps (TP's are exposed in both: minipar
+# has no TP overlap; Megatron-LM's --tp-comm-overlap and torchtitan's async TP are not modelled):
+#   grad_reduce   gradient buckets launched during backward (minipar's GradBuckets, DDP, Megatron's
+#                 --overlap-grad-reduce); ZeRO-3's gathers prefetched (minipar's Zero3, FSDP2)
+#   param_gather  ZeRO-1/2's all-gather of the updated weights under the next forward (Megatron's
+#                 distributed optimizer with --overlap-param-gather); minipar waits for it
+OVERLAPS = {"minipar": frozenset({"grad_reduce"}),
+            "production": frozenset({"grad_reduce", "param_gather"})}
+
+
+def exposed(comm: float, window: float) -> float:
+    """Seconds that `comm` seconds of communication add to a step when issued under `window`
+    seconds of compute: what sticks out, and the slowdown of the compute it hid under."""
+    return max(0.0, comm - window) + (SLOWDOWN - 1) * min(comm, window)
+
+
 def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: float,
-            units: int) -> float:
+            units: int, forward_mb: float = 0.0, overlap: str = "minipar") -> float:
     """Exposed seconds of the DP/ZeRO collectives of a stage holding `psi` parameters a GPU;
     `window` is the backward of its last micro-batch (what buckets overlap), `compute_mb` a
-    micro-batch's compute."""
+    micro-batch's compute, `forward_mb` its forward; `overlap` whose overlaps (OVERLAPS)."""
     n = par.dp
     if n == 1:
         return 0.0
@@ -146,21 +230,23 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
         return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
     rs = gather_or_scatter(g * psi, n, link)
     ag = gather_or_scatter(per["params"] * psi, n, link)
-    if par.zero in (1, 2) and par.dp_mode == "naive":  # one flat reduce-scatter after backward
+    if par.zero == 3:  # per micro-batch 2 all-gathers and a reduce-scatter, prefetched
+        return par.microbatches * exposed(2 * ag + rs, compute_mb) + ag / max(units, 1)
+    if "param_gather" in OVERLAPS[overlap]:  # the new weights gathered under the next forward
+        ag = exposed(ag, forward_mb)
+    if par.dp_mode == "naive":  # one flat reduce-scatter after backward
         return rs + ag
-    if par.zero in (1, 2):  # buckets under the last backward; bucketed ZeRO-2 reduces every
-        # micro-batch, the ones before the last hidden under the compute that follows them
-        earlier = (par.reductions - 1) * max(0.0, rs - compute_mb)
-        return earlier + _overlap(rs, g * psi, par.bucket_mb, window) + ag
-    per_mb = 2 * ag + rs
-    return par.microbatches * max(0.0, per_mb - compute_mb) + ag / max(units, 1)
+    # buckets under the last backward; bucketed ZeRO-2 reduces every micro-batch, the ones before
+    # the last hidden under the compute that follows them
+    earlier = (par.reductions - 1) * exposed(rs, compute_mb)
+    return earlier + _overlap(rs, g * psi, par.bucket_mb, window) + ag
 
 
 def _overlap(total: float, nbytes: float, bucket_mb: float, window: float) -> float:
-    """All buckets but the last hide under `window` (as far as it
-    lasts); the last one is exposed."""
+    """All buckets but the last hide under `window` (as far as it lasts, slowing it: `exposed`);
+    the last one is exposed."""
     last = total / max(1, math.ceil(nbytes / (bucket_mb * 2 ** 20)))
-    return last + max(0.0, total - last - window)
+    return last + exposed(total - last, window)
 
 
 def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
@@ -170,18 +256,23 @@ def optimizer_time(params_updated: float, per: dict, hbm: float) -> float:
 def fit_efficiency(cfg, layer_step: float, micro_batch: int, tp: int, cluster: Cluster,
                    sequence_parallel: bool = True, materialized: bool = False,
                    precision: str = "bf16") -> float:
-    """The efficiency that makes one layer's forward + backward (no recomputation) take `layer_step`
-    seconds: the matmul FLOPs over the time left once this model's
-    TP and memory-bound time are taken off.
+    """The ceiling (fraction of peak a full wave of tiles reaches) that makes one layer's forward +
+    backward (no recomputation) take `layer_step` seconds under this model: found by bisection,
+    since each matmul is the larger of its compute and its bytes.
 
     Korthikanti Table 4's row with sequence parallelism (22B: a 64, h 6144, s 2048; t = 8, b = 4,
     SP, no recomputation, Megatron's materialised attention, 7.2 + 11.8 ms on A100s) gives the
-    A100's 0.72. (Its 7.7 + 11.9 ms row is the one without SP: sequence_parallel=False.)"""
-    ranks = range(tp)
-    w = Work(micro_batch, tp, sequence_parallel, "none", memory.element_bytes(precision), 1.0,
-             cluster.memory_bandwidth, cluster.link(ranks), False, materialized)
-    cost = layer_cost(cfg, w)
-    flops = cost["F"]["compute"] + cost["B"]["compute"]  # FLOPs, since the rate was 1
-    other = sum(v for op in cost.values() for k, v in op.items() if k != "compute")
-    return flops / (layer_step - other) / (cluster.peak_flops * (0.5 if precision == "fp32"
-                                                                 else 1.0))
+    A100's ceiling. (Its 7.7 + 11.9 ms row is the one without SP: sequence_parallel=False.)"""
+    def step(eff):
+        rate = cluster.peak_flops * eff * (0.5 if precision == "fp32" else 1.0)
+        w = Work(micro_batch, tp, sequence_parallel, "none", memory.element_bytes(precision), rate,
+                 cluster.memory_bandwidth, cluster.link(range(tp)), False, materialized,
+                 cluster.sms)
+        return sum(v for op in layer_cost(cfg, w).values() for v in op.values())
+    lo, hi = 1e-3, 1.0
+    if step(hi) > layer_step:
+        raise ValueError(f"{layer_step} s is faster than this model allows at the peak")
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if step(mid) <= layer_step else (mid, hi)
+    return hi

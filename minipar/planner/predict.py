@@ -7,8 +7,8 @@ layouts (`plan`).
     breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy
                 time) + bubble (makespan with free messages - busy) + pp_p2p (what the messages
                 add) + dp_comm + optimizer; the terms sum to the step time
-    FLOPs     model FLOPs a step, Korthikanti et al. 2022 eq. 7: 72 B s l h^2 (1 + s/(6h) +
-                V/(12 l h)) (recomputation not counted: that would be hardware FLOPs);
+    FLOPs     model FLOPs a step, B s cfg.flops_per_token (Korthikanti et al. 2022 eq. 7 for GPT-2
+                shapes; recomputation not counted: that would be hardware FLOPs);
                 tflops_per_gpu = FLOPs / step / world,  mfu = FLOPs / step / (world * peak)
     memory    per GPU of each pipeline stage (the fullest one reported), by category as
               memory.predict gives them:
@@ -19,8 +19,9 @@ layouts (`plan`).
                   schedule's own actions: an F adds its chunk, the chunk's last backward op frees
                   it), + the token ids on the first chunk, the head and loss on the last
                 comm: DP buckets or ZeRO's gathered units, as memory.predict counts them
-                (`stage_memory`: memory.rank_states of each rank's memory.rank_units, which
-                memory.predict adds up too, and memory.pipeline_activations over the schedule)
+                (`stage_memory`: memory.rank_states of each rank's memory.rank_units, and
+                memory.pipeline_activations over the schedule); `Estimate.peak` adds the
+                step's transients, `fits` keeps the allocator's reserve (Cluster.usable)
     timeline  the slowest replica's pipeline as simulated, in seconds (`Estimate.timeline`):
                 what the lessons draw, never recomputed
 
@@ -32,14 +33,9 @@ step time); `plan` runs the second only on layouts that fit. `time_layout` is th
 chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
 gpu_time.py.
 
-Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one efficiency, 0.72, from the
-SP row of their Table 4; tests/test_planner.py), seconds a step, predicted / published:
-                    22B                175B                530B                1T
-    SP + selective  1.02 / 1.10 (-7%)  13.2 / 13.75 (-4%)  39.7 / 37.83 (+5%)   74.6 / 71.49 (+4%)
-    full recompute  1.29 / 1.42 (-9%)  17.2 / 18.13 (-5%)  51.7 / 49.05 (+6%)   97.1 / 94.42 (+3%)
-The sign flips with size: the larger the matrices, the closer to peak Megatron's matmuls ran, which
-one efficiency cannot follow (the 530B and 1T last stages also carry the logits, 7-8% of their
-work).
+Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one matmul ceiling, 0.77, from
+the SP row of their Table 4): every row within 10% (tests/test_planner.py; the figures in the
+README and docs/references.md).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
@@ -61,7 +57,8 @@ from minipar.config import ParallelConfig
 from minipar.mesh import grid_ranks
 from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, flops_unit, memory_unit
-from minipar.planner.gpu_time import Work, chunk_cost, dp_time, optimizer_time, p2p
+from minipar.planner.gpu_time import OVERLAPS, Work, chunk_cost, dp_time, optimizer_time, p2p
+from minipar.step_memory import predict_peak
 
 TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
          "optimizer")
@@ -84,10 +81,12 @@ class Estimate:
     model_flops: float = 0.0
     # the slowest replica's pipeline as timed (the DP and optimizer time after it left out), kept as
     # simulated: a Timeline in units of `time_unit` seconds, shared with every layout of the same
-    # proportions (`_simulate`); on a CPU cluster cpu_time's replay
-    # with the cores shared, in seconds
+    # proportions (`_simulate`); on a CPU cluster cpu_time's replay with the cores shared
     simulated: pipeline.Timeline | None = field(default=None, repr=False)
     time_unit: float = 1.0
+    attention: str = "flash"           # "flash" (fused SDPA) or "materialized" (Megatron 2022)
+    overlap: str = "minipar"           # whose overlaps are timed: gpu_time.OVERLAPS
+    peak: dict | None = None           # the step's peak with its transients (`_step_peak`)
 
     @functools.cached_property
     def timeline(self) -> pipeline.Timeline:
@@ -101,8 +100,17 @@ class Estimate:
         return sum(self.memory.values())
 
     @property
+    def peak_memory(self) -> float:
+        """The most the fullest GPU holds in a step: the peak with its transients where predicted
+        (`peak`), else `total_memory` (model states and buffers, the activations at their most)."""
+        if self.peak is None:
+            return self.total_memory
+        return max(self.total_memory, sum(v for k, v in self.peak.items() if k != "phase"))
+
+    @property
     def fits(self) -> bool:
-        return self.total_memory <= self.capacity
+        """Within `capacity`: the GPU's memory less the allocator's reserve (Cluster.usable)."""
+        return self.peak_memory <= self.capacity
 
     @property
     def flops_per_gpu(self) -> float:
@@ -127,9 +135,10 @@ class Estimate:
 
     def __repr__(self):
         flops, fname = flops_unit(self.flops_per_gpu)
-        mem, mname = memory_unit(self.total_memory)
+        mem, mname = memory_unit(self.peak_memory)
         return (f"Estimate({self.label}: {self.step_time:.4g} s, {self.flops_per_gpu / flops:.3g} "
-                f"{fname}, MFU {self.mfu:.1%}, {self.total_memory / mem:.1f} {mname})")
+                f"{fname}, MFU {self.mfu:.1%}, {self.peak_memory / mem:.1f} {mname}; "
+                f"{self.overlap}'s overlaps)")
 
 
 def _proportional(total: int, weights: list[float], unit: int = 1) -> list[int]:
@@ -179,11 +188,13 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
 
 
 def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
-                 attention: str = "flash") -> Estimate:
+                 attention: str = "flash", overlap: str = "minipar") -> Estimate:
     """Validate, split layers and micro-batches, and size the memory: an Estimate with everything
     but the time (`time_layout` adds it; `refine` then searches a mixed cluster's splits)."""
     if attention not in ("flash", "materialized"):
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be one of {sorted(OVERLAPS)}, got {overlap!r}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
     p, chunks, dp = par.pp, par.pp * par.virtual_stages, par.dp
     stage, replica = ([grid_ranks(dp, par.tp, p, pp_rank=r) for r in range(p)],
@@ -192,17 +203,18 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
     layers = _proportional(cfg.n_layer, [speed[c % p] for c in range(chunks)])
     rates = [cluster.rate(ranks, par.precision) for ranks in replica]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
-    est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention)
+    est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention, overlap)
     for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers
                                                            #   out of full stages
-        free = [c - sum(m.values()) for c, m in zip(_capacities(cluster, par), est.stages)]
+        free = [c - sum(m.values()) for c, m in zip(capacities(cluster, par), est.stages)]
         worst, best = free.index(min(free)), free.index(max(free))
         donor = next((c for c in range(worst, chunks, p) if layers[c] > 1), None)
         if free[worst] >= 0 or donor is None or worst == best:
             break
         layers[donor] -= 1
         layers[min(range(best, chunks, p), key=lambda c: layers[c])] += 1
-        est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention)
+        est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention,
+                    overlap)
     return est
 
 
@@ -211,15 +223,17 @@ def _share_unit(par) -> int:
     return par.pp if par.schedule == "interleaved-1f1b" else 1
 
 
-def _capacities(cluster, par) -> list[float]:
-    """Each pipeline stage's memory_per_gpu (the smallest of its GPUs)."""
-    return [min(cluster.device(x).memory_per_gpu for x in grid_ranks(par.dp, par.tp, par.pp,
-                                                                      pp_rank=r))
+def capacities(cluster, par) -> list[float]:
+    """What each pipeline stage's counted tensors may fill: the smallest memory_per_gpu of its
+    GPUs times their kind's `usable` fraction (the rest is the allocator's, the collectives' and
+    the kernels' workspaces, and the CUDA context: Cluster.usable)."""
+    return [min(cluster.device(x).memory_per_gpu * cluster.device(x).usable
+                for x in grid_ranks(par.dp, par.tp, par.pp, pp_rank=r))
             for r in range(par.pp)]
 
 
 def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
-          attention: str = "flash") -> Estimate:
+          attention: str = "flash", overlap: str = "minipar") -> Estimate:
     """The Estimate, untimed, of `par` (validated: `split_layout`'s) with these layers per chunk
     and micro-batches per replica: its memory sized on every stage, the fullest (relative to its
     capacity) as `memory`. `time_layout` times it: any split, e.g. lesson 07's uniform one."""
@@ -227,14 +241,29 @@ def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, par.pp, max(shares), par.virtual_stages))
     mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing), \
-        _capacities(cluster, par)
+        capacities(cluster, par)
     fullest = max(range(par.pp), key=lambda r: sum(mem[r].values()) / capacity[r])
     return Estimate(cfg, par, cluster, global_batch, micro_batch, mem[fullest], capacity[fullest],
                     tuple(layers), tuple(shares), mem,
-                    model_flops=global_batch * cfg.seq_len * cfg.flops_per_token)
+                    model_flops=global_batch * cfg.seq_len * cfg.flops_per_token,
+                    attention=attention, overlap=overlap,
+                    peak=_step_peak(cfg, par, cluster, micro_batch, attention))
 
 
-def refine(cfg, est: Estimate, attention: str = "flash") -> Estimate:
+def _step_peak(cfg, par, cluster, b: int, attention: str) -> dict | None:
+    """The step's peak with its transients (step_memory.predict_peak) where it is predicted: data
+    parallelism and ZeRO alone (tp = pp = 1, no recomputation, fused attention, one GPU kind);
+    None elsewhere. After its first micro-batches a step repeats itself (ZeRO-1 accumulates until
+    the last, ZeRO-2 and 3 reduce each the same way once their shards exist), so three of them
+    give the peak of any number: the walk then costs the same for m = 3 and m = 512."""
+    if par.tp > 1 or par.pp > 1 or par.recompute != "none" or attention != "flash" or \
+            cluster.groups:
+        return None
+    m = min(par.microbatches, 3)
+    return predict_peak(cfg, par.replace(microbatches=m), par.dp * m * b)
+
+
+def refine(cfg, est: Estimate) -> Estimate:
     """A timed estimate on a mixed cluster, its splits searched under this model: from the
     proportional split (`split_layout`), move one layer from a chunk to a neighbouring chunk or
     one share unit of micro-batches from a replica to a neighbouring replica; take the move that
@@ -258,9 +287,9 @@ def refine(cfg, est: Estimate, attention: str = "flash") -> Estimate:
             layers = layers and [x + (c == b) for c, x in enumerate(layers)]
             shares = shares and [x + unit * (j == b) for j, x in enumerate(shares)]
             moved = sized(cfg, est.par, est.cluster, est.global_batch, est.micro_batch,
-                           layers or est.layers, shares or est.shares, attention)
+                          layers or est.layers, shares or est.shares, est.attention, est.overlap)
             if moved.fits:
-                tried.append(time_layout(cfg, moved, attention))
+                tried.append(time_layout(cfg, moved))
         best = min(tried, key=lambda e: e.step_time, default=None)
         if best is None or best.step_time >= (1 - 1e-4) * est.step_time:
             return est
@@ -295,7 +324,7 @@ def _pipeline_time(par, costs: list[dict], m: int, latency: float):
     return u * with_msgs.makespan, u * free.makespan, busiest, (with_msgs, u)
 
 
-def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
+def _replica_time(cfg, est: Estimate, j: int, e: int) -> tuple:
     """(seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, its
     Timeline and its time unit); `e` bytes an activation element."""
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
@@ -306,7 +335,8 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
         w = Work(b, par.tp, par.sequence_parallel, par.recompute, e,
                  cluster.rate(ranks, par.precision),
                  min(cluster.device(x).memory_bandwidth for x in ranks), cluster.link(ranks),
-                 par.schedule == "zb-h1", attention == "materialized")
+                 par.schedule == "zb-h1", est.attention == "materialized",
+                 min(cluster.device(x).sms for x in ranks))
         costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
     message = b * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
     latency = p2p(message, cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp]))
@@ -317,7 +347,7 @@ def _replica_time(cfg, est: Estimate, j: int, attention: str, e: int) -> tuple:
     return with_msgs, terms, costs, timeline
 
 
-def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, tuple]:
+def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
     """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est` on
     its GPUs (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
@@ -327,22 +357,23 @@ def gpu_step(cfg, est: Estimate, attention: str) -> tuple[float, dict, tuple]:
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
         key = (m, tuple(cluster.device(x).name for x in grid_ranks(par.dp, par.tp, p, dp_rank=j)))
         if key not in replicas:
-            replicas[key] = _replica_time(cfg, est, j, attention, e)
+            replicas[key] = _replica_time(cfg, est, j, e)
     span, terms, costs, timeline = max(replicas.values(), key=lambda x: x[0])
     chunks, dp, opt = len(est.layers), 0.0, 0.0
     for r in range(p):
         mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
         backward = sum(v for c in mine for op in ("B", "W") for v in costs[c][op].values())
-        compute = backward + sum(costs[c]["F"].get("compute", 0.0) for c in mine)
+        forward = sum(costs[c]["F"].get("compute", 0.0) for c in mine)
         stage = grid_ranks(par.dp, par.tp, p, pp_rank=r)
         link = cluster.link(stage[::par.tp])
-        dp = max(dp, dp_time(par, sum(units), per, link, backward, compute, len(units)))
+        dp = max(dp, dp_time(par, sum(units), per, link, backward, backward + forward,
+                             len(units), forward, est.overlap))
         hbm = min(cluster.device(x).memory_bandwidth for x in stage)
         opt = max(opt, optimizer_time(sum(units) / (par.dp if par.zero else 1), per, hbm))
     return span + dp + opt, {**terms, "dp_comm": dp, "optimizer": opt}, timeline
 
 
-def time_layout(cfg, est: Estimate, attention: str = "flash") -> Estimate:
+def time_layout(cfg, est: Estimate) -> Estimate:
     """`est` (from `split_layout`) with its step time, breakdown and timeline filled in.
 
     The one place the time model is chosen: a Cluster with a CPU calibration (its `cpu` field, set
@@ -351,16 +382,19 @@ def time_layout(cfg, est: Estimate, attention: str = "flash") -> Estimate:
     if est.cluster.cpu is not None:
         est.step_time, est.breakdown, est.simulated = cpu_time.step_time(cfg, est)
     else:
-        est.step_time, est.breakdown, (est.simulated, est.time_unit) = gpu_step(cfg, est, attention)
+        est.step_time, est.breakdown, (est.simulated, est.time_unit) = gpu_step(cfg, est)
     return est
 
 
 def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micro_batch: int = 1,
-             attention: str = "flash") -> Estimate:
+             attention: str = "flash", overlap: str = "minipar") -> Estimate:
     """Predicted memory (fullest GPU) and step time of layout `par` on `cluster` (module docstring).
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the
     activations then hold Korthikanti's 5 a s^2 b / t bytes a layer
-    more when nothing is recomputed)."""
-    est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention)
-    return refine(cfg, time_layout(cfg, est, attention), attention)
+    more when nothing is recomputed). overlap: "minipar" (the collectives overlap where minipar's
+    code overlaps them) or "production" (where Megatron-LM's and DeepSpeed's do:
+    gpu_time.OVERLAPS); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed
+    from minipar's own measured layers, whatever `overlap` says."""
+    est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention, overlap)
+    return refine(cfg, time_layout(cfg, est))

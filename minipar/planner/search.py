@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minipar.config import SCHEDULES, ParallelConfig
+from minipar.config import SCHEDULES, ParallelConfig, tp_sizes
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
 from minipar.planner.predict import TERMS, Estimate, refine, split_layout, time_layout
 
@@ -31,7 +31,7 @@ def rank(estimates: list[Estimate]) -> list[Estimate]:
     while by_time:
         tied = [e for e in by_time if e.step_time <= (1 + NEGLIGIBLE_TIME) * by_time[0].step_time]
         by_time = by_time[len(tied):]
-        ranked += sorted(tied, key=lambda e: (round(e.total_memory / NEGLIGIBLE_MEMORY), simple(e)))
+        ranked += sorted(tied, key=lambda e: (round(e.peak_memory / NEGLIGIBLE_MEMORY), simple(e)))
     return ranked
 
 
@@ -54,19 +54,22 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
                schedules=SCHEDULES,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
     """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all
-    of cluster.world; tp <= gpus_per_node dividing the heads; ZeRO > 0 only with dp > 1, ZeRO-3 only
-    without pp; sequence parallel whenever tp > 1 (it only saves),
+    of cluster.world; tp <= gpus_per_node dividing the heads (and what else config.tp_sizes names);
+    ZeRO > 0 only with dp > 1, ZeRO-3 only without pp; tied embeddings without pp or ZeRO-3;
+    sequence parallel whenever tp > 1 (it only saves),
     except with ZeRO-3 (config.py)."""
     world = cluster.world
     for tp in _divisors(world):
-        if tp > cluster.gpus_per_node or cfg.n_head % tp or cfg.vocab_size % tp:
+        if tp > cluster.gpus_per_node or any(size % tp for size in tp_sizes(cfg).values()):
             continue
-        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer):
+        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer
+                   and not (cfg.tie_embeddings and p > 1)):
             dp = world // (tp * pp)
             for b in (b for b in micro_batches if global_batch % (dp * b) == 0):
                 m = global_batch // (dp * b)
                 for name, v in _schedules(pp, m, cfg.n_layer, schedules, virtual_stages):
-                    for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and pp > 1)):
+                    for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and (
+                            pp > 1 or cfg.tie_embeddings))):
                         sp = tp > 1 and z != 3 and cfg.seq_len % tp == 0
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m,
                                              schedule=name,
@@ -76,7 +79,8 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
 
 def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
          virtual_stages=(2, 4), zero=(0, 1, 2, 3), recompute=("none", "selective", "full"),
-         precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
+         precision: str = "bf16", attention: str = "flash",
+         overlap: str = "minipar") -> list[Estimate]:
     """Every layout of `candidates` that fits memory_per_gpu, fastest first (`rank`). Each takes the
     first of `recompute` with which it fits (recomputing more only costs time). On a mixed cluster
     the REFINED fastest have their layer and batch splits searched (`predict.refine`). Raises
@@ -90,15 +94,15 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
         for rc in recompute:
             try:
                 est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b,
-                                   attention)
+                                   attention, overlap)
             except ValueError:
                 break
             if est.fits:
-                fitting.append(time_layout(cfg, est, attention))
+                fitting.append(time_layout(cfg, est))
                 break
             if (
                 smallest is None
-                or est.total_memory / est.capacity < smallest.total_memory / smallest.capacity
+                or est.peak_memory / est.capacity < smallest.peak_memory / smallest.capacity
             ):
                 smallest = est
     if not fitting:
@@ -106,7 +110,7 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
                                      recompute, precision))
     ranked = rank(fitting)
     if cluster.groups:  # a mixed cluster's splits: the fastest few searched (`refine`)
-        ranked = rank([refine(cfg, e, attention) for e in ranked[:REFINED]] + ranked[REFINED:])
+        ranked = rank([refine(cfg, e) for e in ranked[:REFINED]] + ranked[REFINED:])
     return ranked
 
 
@@ -127,9 +131,9 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
                 "micro-batches "
                 f"{tuple(micro_batches)}: choose a global batch divisible by more data-parallel "
                 "degrees")
-    lines = [f"nothing fits {cluster.memory_per_gpu / GiB:.0f} GiB a GPU on {cluster.world} GPUs: "
-             "the smallest, "
-             f"{smallest.label}, needs {smallest.total_memory / GiB:.1f} GiB "
+    lines = [f"nothing fits {cluster.memory_per_gpu / GiB:.0f} GiB a GPU ({cluster.usable:.0%} "
+             f"usable) on {cluster.world} GPUs: the smallest, "
+             f"{smallest.label}, needs {smallest.peak_memory / GiB:.1f} GiB "
              f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in smallest.memory.items())})."]
     if 1 not in micro_batches:
         lines.append("Try micro-batch 1 (activations scale with it).")
@@ -143,7 +147,7 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
         if est is not None:
             lines.append(f"With {bigger.world} GPUs ({bigger.nodes} nodes) it fits, e.g. "
                          f"{est.label} "
-                         f"({est.total_memory / GiB:.1f} GiB).")
+                         f"({est.peak_memory / GiB:.1f} GiB).")
             break
     else:
         lines.append(f"Even {cluster.world * 64} GPUs are not enough at global batch "
@@ -175,7 +179,7 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
 
 
 def _memory_against(e: Estimate, best: Estimate) -> str:
-    more = e.total_memory - best.total_memory
+    more = e.peak_memory - best.peak_memory
     if abs(more) < NEGLIGIBLE_MEMORY:
         return "with the same memory"
     return f"with {abs(more) / GiB:.1f} GiB {'more' if more > 0 else 'less'}"
@@ -192,10 +196,10 @@ def format_table(estimates: list[Estimate], top: int = 10) -> str:
     _check_top(top)
     shown = estimates[:top]
     (flops, fname), (mem, mname) = (flops_unit(*(e.flops_per_gpu for e in shown)),
-                                    memory_unit(*(e.total_memory for e in shown)))
+                                    memory_unit(*(e.peak_memory for e in shown)))
     heads = ["#", "layout", "step s", fname, "MFU", mname] + list(TERMS)
     rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.flops_per_gpu / flops:.3g}",
-             f"{e.mfu:.1%}", f"{e.total_memory / mem:.1f}"] + [f"{e.breakdown[k]:.3g}"
+             f"{e.mfu:.1%}", f"{e.peak_memory / mem:.1f}"] + [f"{e.breakdown[k]:.3g}"
                                                                for k in TERMS]
             for i, e in enumerate(shown, 1)]
     widths = [max(len(r[c]) for r in [heads] + rows) for c in range(len(heads))]

@@ -1,0 +1,133 @@
+"""Published training runs the cost model is checked against, as data: each with its source, its
+layout, what the source leaves open, and the figure it reports (docs/references.md has every one).
+
+    RUNS                  name -> Run
+    predict(run)          the planner's figure for it: the best, over the knobs the source leaves
+                          open, of the layouts that fit, in the source's own unit and FLOP
+                          convention (`Run.metric`)
+    compare()             {name: (predicted, published, predicted / published - 1)}
+
+One preset per GPU kind, nothing tuned per row: the A100 rows all run on `dgx-a100-80g`, the
+torchtitan rows on `h100-torchtitan` (its H100s: 96 GB HBM2e at 2.4 TB/s, 500 W).
+
+Metrics:
+    step_s          seconds a step
+    hfu_tflops      TFLOP/s per GPU counting the recomputed forward, Megatron-DeepSpeed's log
+                    formula: 24 c B s l h^2 (1 + s/(6h) + V/(16 l h)) a step, c = 4 with full
+                    recomputation (3 without)
+    tokens_per_gpu  tokens a second per GPU, torchtitan's "wps" per GPU
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from minipar.config import ParallelConfig
+from minipar.model import GPTConfig
+from minipar.planner.cluster import Cluster
+from minipar.planner.predict import estimate
+
+KORTHIKANTI = dict(vocab_size=51200, seq_len=2048)
+SIZES = {"22B": dict(n_layer=48, n_head=64, d_model=6144, **KORTHIKANTI),  # Table 5's models
+         "175B": dict(n_layer=96, n_head=96, d_model=12288, **KORTHIKANTI),
+         "530B": dict(n_layer=105, n_head=128, d_model=20480, **KORTHIKANTI),
+         "1T": dict(n_layer=128, n_head=160, d_model=25600, **KORTHIKANTI)}
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: GPTConfig
+    cluster: str              # a Cluster.PRESETS name (or "h100-torchtitan", below)
+    nodes: int
+    layouts: tuple            # ParallelConfigs: one, or those the source leaves open
+    global_batch: int         # sequences a step
+    micro_batches: tuple      # sequences a micro-batch: one, or those left open
+    metric: str               # "step_s", "hfu_tflops" or "tokens_per_gpu"
+    published: float
+    source: str
+    attention: str = "materialized"  # Megatron-LM before FlashAttention; torchtitan: "flash"
+
+
+# torchtitan's benchmark H100s, a preset of their own: the SXM part's peak, SMs and NVLink, with 96
+# GB of HBM2e at 2.4 TB/s (the benchmark's own description of its machines) and 400 Gb/s RDMA a GPU
+H100_TORCHTITAN = dict(memory_per_gpu=96e9, memory_bandwidth=2.4e12, inter_bandwidth=50e9)
+
+
+def cluster_of(run: Run) -> Cluster:
+    if run.cluster == "h100-torchtitan":
+        return dataclasses.replace(Cluster.preset("dgx-h100", run.nodes), name=run.cluster,
+                                   **H100_TORCHTITAN)
+    return Cluster.preset(run.cluster, nodes=run.nodes)
+
+
+def _table_5(name: str, recompute: str, published: float) -> Run:
+    pp, gpus, batch, b, v = {"22B": (1, 8, 4, 4, 1), "175B": (8, 64, 64, 1, 2),
+                             "530B": (35, 280, 280, 1, 1), "1T": (64, 512, 512, 1, 1)}[name]
+    par = ParallelConfig(tp=8, pp=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                         virtual_stages=v, sequence_parallel=True, precision="bf16",
+                         recompute=recompute)
+    return Run(GPTConfig(**SIZES[name]), "dgx-a100-80g", gpus // 8, (par,), batch, (b,), "step_s",
+               published, "Korthikanti et al. 2022, Table 5 (v = 2 assumed for 175B)")
+
+
+BLOOM = GPTConfig(n_layer=70, n_head=112, d_model=14336, vocab_size=250880, seq_len=2048)
+MT_NLG = GPTConfig(n_layer=105, n_head=128, d_model=20480, vocab_size=51200, seq_len=2048)
+MEGATRON_DEEPSPEED = dict(zero=1, precision="bf16", recompute="full")  # no SP in 2021-22
+RUNS = {
+    **{f"Table 5 {n} {rc}": _table_5(n, rc, t)
+       for n, (sel, full) in {"22B": (1.10, 1.42), "175B": (13.75, 18.13),
+                              "530B": (37.83, 49.05), "1T": (71.49, 94.42)}.items()
+       for rc, t in (("selective", sel), ("full", full))},
+    "BLOOM-176B 384 GPUs": Run(
+        BLOOM, "dgx-a100-80g", 48, (ParallelConfig(dp=8, tp=4, pp=12, **MEGATRON_DEEPSPEED),),
+        2048, (2,), "hfu_tflops", 150.0,
+        "BigScience BLOOM model card and training logbook (about 150 TFLOP/s a GPU); micro-batch "
+        "2, full recomputation, from its training script; modelled untied (minipar's pipeline "
+        "does not tie the embedding across stages)"),
+    **{f"MT-NLG 530B {gpus} GPUs": Run(
+        MT_NLG, "dgx-a100-80g", gpus // 8,
+        (ParallelConfig(dp=gpus // 280, tp=8, pp=35, **MEGATRON_DEEPSPEED),), 1920, (1,),
+        "step_s", step, "Smith et al. 2022, Megatron-Turing NLG 530B, throughput table")
+       for gpus, step in ((2240, 60.1), (2800, 50.2), (3360, 44.4))},
+    **{f"torchtitan Llama 3 8B {gpus} GPUs": Run(
+        GPTConfig.preset("llama3-8b"), "h100-torchtitan", gpus // 8,
+        tuple(ParallelConfig(dp=gpus, zero=3, precision="bf16", recompute=rc)
+              for rc in ("selective", "full")),  # torchtitan's per-op selective AC: no peer
+        2 * gpus, (2,), "tokens_per_gpu", wps,
+        "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (FSDP, local batch 2, "
+        "selective AC, no torch.compile)", attention="flash")
+       for gpus, wps in ((8, 5762.0), (128, 5605.0))},
+}
+
+
+def hfu_flops(cfg: GPTConfig, global_batch: int, recompute: str) -> float:
+    """FLOPs a step as Megatron-DeepSpeed's log counts them (module docstring)."""
+    l, h, s, V = cfg.n_layer, cfg.d_model, cfg.seq_len, cfg.vocab_size
+    c = 4 if recompute == "full" else 3
+    return 24 * c * global_batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def predict(run: Run):
+    """(the figure in run.metric, the Estimate behind it): the fastest of the layouts and
+    micro-batches the source leaves open that fit."""
+    cluster = cluster_of(run)
+    ests = [estimate(run.cfg, par, cluster, run.global_batch, b, attention=run.attention)
+            for par, b in itertools.product(run.layouts, run.micro_batches)]
+    best = min((e for e in ests if e.fits), key=lambda e: e.step_time, default=None) or \
+        min(ests, key=lambda e: e.step_time)
+    if run.metric == "step_s":
+        return best.step_time, best
+    if run.metric == "hfu_tflops":
+        flops = hfu_flops(run.cfg, run.global_batch, best.par.recompute)
+        return flops / best.step_time / best.par.world / 1e12, best
+    return run.global_batch * run.cfg.seq_len / best.step_time / best.par.world, best
+
+
+def compare(names=None) -> dict[str, tuple[float, float, float]]:
+    """{name: (predicted, published, predicted / published - 1)} for these runs (default: all)."""
+    out = {}
+    for name in names or RUNS:
+        got = predict(RUNS[name])[0]
+        out[name] = (got, RUNS[name].published, got / RUNS[name].published - 1)
+    return out

@@ -1,0 +1,43 @@
+"""The cost model against every published run of planner/published.py, nothing tuned per row.
+
+Korthikanti et al.'s Table 5 is the calibration's own setting (the A100 ceiling comes from its Table
+4): every row within 10%. The others are reported as they come out, and held to what they are now,
+so that a change of the model that moves them shows: BLOOM-176B and Megatron-Turing NLG 530B ran on
+Megatron-DeepSpeed, 20-28% slower than this model of Megatron-LM's kernels on the same A100s;
+torchtitan's Llama 3 8B runs lie within 5% (128 GPUs) and 16% (8 GPUs) of it.
+"""
+import pytest
+
+from minipar.planner import published
+
+RESULTS = published.compare()
+NOW = {"BLOOM-176B 384 GPUs": 0.205, "MT-NLG 530B 2240 GPUs": -0.252, "MT-NLG 530B 2800 GPUs": -0.260,
+       "MT-NLG 530B 3360 GPUs": -0.280, "torchtitan Llama 3 8B 8 GPUs": 0.164,
+       "torchtitan Llama 3 8B 128 GPUs": 0.053}
+
+
+def test_every_run_is_compared():
+    assert set(RESULTS) == set(published.RUNS) and set(NOW) | {k for k in RESULTS if k.startswith("Table 5")} \
+        == set(RESULTS)
+    for name, (got, want, error) in RESULTS.items():
+        print(f"{name:<36} predicted {got:10.2f}  published {want:10.2f}  {error:+.1%}")
+
+
+@pytest.mark.parametrize("name", [k for k in published.RUNS if k.startswith("Table 5")])
+def test_korthikanti_table_5_within_10_percent(name):
+    assert abs(RESULTS[name][2]) <= 0.10
+
+
+@pytest.mark.parametrize("name", sorted(NOW))
+def test_the_other_runs_stay_where_they_are(name):
+    assert RESULTS[name][2] == pytest.approx(NOW[name], abs=0.01)
+
+
+def test_the_flop_conventions_are_the_sources():
+    """BLOOM's 150 TFLOP/s count the recomputed forward (Megatron-DeepSpeed's 4 passes): at the same
+    step time, the model-FLOPs rate is 3/4 of it less the head's share."""
+    run = published.RUNS["BLOOM-176B 384 GPUs"]
+    hfu, est = published.predict(run)
+    assert est.par.recompute == "full"
+    model = est.model_flops / est.step_time / est.par.world / 1e12
+    assert 0.74 < model / hfu < 0.78
