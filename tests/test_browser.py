@@ -20,6 +20,7 @@ import browser
 import pytest
 
 from minipar import Cluster, GPTConfig, ParallelConfig, estimate
+from minipar.lessons.explorer_html import shape_of
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "08_explorer.ipynb"  # the lesson: JupyterLab runs all its cells
@@ -172,7 +173,7 @@ def check(page, dash, start: dict, knobs: dict, old_plots: list[str]):
     return got
 
 
-# From the plan's winner (dp8 tp1 pp1 ZeRO-3 for gpt2-xl on one DGX): one knob at a time, as a user moves
+# From the plan's winner (dp8 tp1 pp1 ZeRO-3 for llama3-8b on one DGX): one knob at a time, as a user moves
 # them, each change checked before the next. pp=2 alone asks for 16 GPUs of the 8 (the error), dp=4 mends it;
 # ZeRO-1, GPipe, 1F1B; v=2 breaks a rule (only interleaved-1f1b has virtual stages), interleaving mends it.
 MOVES = [("pp", 2), ("dp", 4), ("tp", 1), ("micro_batch", 2), ("zero", 1), ("schedule", "gpipe"),
@@ -184,7 +185,7 @@ def explore(page, shots: Path) -> None:
     dash = page.locator(DASHBOARD).first
     dash.locator(SUMMARY).wait_for(state="attached", timeout=WAIT_MS)
     start = shown(dash)
-    assert start["model"] == {k: getattr(GPTConfig.preset("gpt2-xl"), k) for k in start["model"]}
+    assert start["model"] == shape_of(GPTConfig.preset("llama3-8b"))
     assert (start["cluster"], start["global_batch"], start["precision"]) == ("dgx-a100-80g", 64, "bf16")
     knobs = {k: start[k] for k in (*PAR, "micro_batch") if k in start}
     check(page, dash, start, knobs, [])

@@ -234,17 +234,19 @@ def test_plan_that_cannot_fit_says_what_would():
 def test_heterogeneous_cluster_splits_layers_and_batch_by_search():
     """The split was a fixed rule, layers and micro-batches in proportion to each GPU kind's matmul
     rate, and not optimal under the planner's own model (here TP's all-reduces, as long on either
-    kind, dominate: the proportional (6, 18) takes 0.227 s, (8, 16) 0.205 s). Now searched
-    (`predict.refine`): faster than the rule, no one-layer or one-share move makes it faster, and
-    the faster GPUs still take more."""
-    from minipar.planner.predict import sized, split_layout, time_layout
+    kind, dominate). Now the layers are split by dynamic programming (partition.min_max) and both
+    splits searched (`predict.refine`): as fast as the best of every split of the layers, faster
+    than the rule, no one-layer or one-share move makes it faster, and the faster GPUs take more."""
+    from minipar.planner.predict import _proportional, sized, split_layout, time_layout
     mixed = Cluster.mixed([Cluster.preset(A100), Cluster.preset("dgx-h100")])
     assert mixed.world == 16 and mixed.device(3).name == A100 and mixed.device(12).name == "dgx-h100"
     par = ParallelConfig(tp=8, pp=2, sequence_parallel=True, precision="bf16")
     for layout in (par, par.replace(dp=2, pp=1)):
         est = estimate(CFG, layout, mixed, global_batch=32, micro_batch=1)
-        rule = time_layout(CFG, split_layout(CFG, layout, mixed, 32, 1))
-        assert est.step_time <= rule.step_time and sum(est.shares) == 32
+        rule = split_layout(CFG, layout, mixed, 32, 1)
+        rule = time_layout(CFG, sized(CFG, rule.par, mixed, 32, 1, _proportional(24, [1, 989 / 312]) if
+                                      layout.pp > 1 else rule.layers, _proportional(32, [1, 989 / 312])))
+        assert est.step_time < rule.step_time and sum(est.shares) == 32
         assert est.layers[-1] > est.layers[0] if layout.pp > 1 else est.shares[1] > est.shares[0]
         for layers, shares in (((est.layers[0] + d, est.layers[1] - d), est.shares) if layout.pp > 1
                                else (est.layers, (est.shares[0] + d, est.shares[1] - d))
@@ -252,11 +254,29 @@ def test_heterogeneous_cluster_splits_layers_and_batch_by_search():
             moved = time_layout(CFG, sized(CFG, est.par, mixed, 32, 1, layers, shares, "flash"))
             assert moved.step_time >= (1 - 1e-4) * est.step_time, (layers, shares)
     pipelined = estimate(CFG, par, mixed, global_batch=32, micro_batch=1)
-    assert pipelined.step_time < time_layout(CFG, split_layout(CFG, par, mixed, 32, 1)).step_time
+    every = min(time_layout(CFG, sized(CFG, pipelined.par, mixed, 32, 1, (n, 24 - n), (32,))).step_time
+                for n in range(1, 24))
+    assert pipelined.step_time == pytest.approx(every, rel=1e-9)  # the best of all 23 splits
     slow = estimate(CFG, par.replace(dp=2, pp=1), Cluster.preset(A100, nodes=2), global_batch=32, micro_batch=1)
     assert estimate(CFG, par.replace(dp=2, pp=1), mixed, 32, 1).step_time < slow.step_time
     assert plan(CFG, mixed, global_batch=32, micro_batches=(1,))[0].fits
     assert math.isfinite(pipelined.mfu)
+
+
+def test_the_layer_split_is_the_min_max_one_that_brute_force_finds():
+    """partition.min_max against every composition of the layers, on chunks of random speeds."""
+    import itertools
+    import random
+
+    from minipar.planner.partition import min_max
+    rng = random.Random(0)
+    for n_layer, chunks in ((7, 3), (9, 4), (6, 6), (10, 2)):
+        layer, emb, head = ([rng.uniform(0.5, 3) for _ in range(chunks)] for _ in range(3))
+        cost = lambda sizes: max(n * layer[c] + emb[c] * (c == 0) + head[c] * (c == chunks - 1)  # noqa: E731
+                                 for c, n in enumerate(sizes))
+        every = [s for s in itertools.product(range(1, n_layer + 1), repeat=chunks) if sum(s) == n_layer]
+        best = min_max(n_layer, layer, emb, head)
+        assert sum(best) == n_layer and min(best) >= 1 and cost(best) == pytest.approx(min(map(cost, every)))
 
 
 def test_heterogeneous_layers_move_out_of_a_stage_that_overflows():

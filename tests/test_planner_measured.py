@@ -13,7 +13,10 @@ measurement where ranks meet often. So of the 14 ASSERTED layouts at least WITHI
 TIME_TOL (15%) and each one within EACH; the REPORTED ones, under-predicted by 20-30% there, are printed
 beside them and held to LOOSE: time-shared worlds that meet every micro-batch (dp=4, pp=4 on 2 cores: each
 meeting waits for a rank to be scheduled again) and tensor parallelism of the wider model (its
-collectives cost more than the 1 KiB probe says). Every layout, always: within a factor SANITY (2).
+collectives cost more than the 1 KiB probe says). Every layout, always: within a factor SANITY (2). And
+the planner must rank layouts as this machine does: over the asserted layouts (fp32 and bf16, DP, ZeRO,
+TP, every schedule, recomputation), Spearman's rank correlation of predicted and measured step times at
+least RANKED (0.9), the median error at most MEDIAN (10%).
 
 Noise, told from error. The host (a virtual machine, with neighbours) slows the cores at times, unseen
 from inside it: the same layout has measured 52 ms and 88 ms, and its profile 52 ms and 106 ms, minutes
@@ -31,6 +34,7 @@ import random
 import statistics
 
 import pytest
+from scipy.stats import spearmanr
 
 from minipar import memory, pipeline
 from minipar.config import ParallelConfig as P
@@ -42,6 +46,8 @@ TINY = GPTConfig.preset("tiny")                                  # l 4, h 64, s 
 WIDE = GPTConfig.preset("small-cpu", n_layer=4, seq_len=64)      # h 192: more of the time in matmuls
 STEPS, MEMORY_TOL = 6, 0.05
 TIME_TOL, WITHIN = 0.15, 10  # at least WITHIN asserted layouts within TIME_TOL
+RANKED, MEDIAN = 0.9, 0.10   # the asserted layouts: Spearman's rank correlation of predicted and
+                             #   measured step times at least RANKED, the median error at most MEDIAN
 EACH, LOOSE = 0.30, 0.40     # each steady asserted layout's error, each steady reported one's
 PASSES, STEADY = 3, 0.10     # measurements of every layout at most; how far its times may move between them
 SANITY = 2.0                 # every layout, steady or not: predicted within this factor of measured
@@ -117,13 +123,24 @@ def _moved(passes: list[list[dict]], i: int) -> float:
     return max(max(x) / min(x) - 1 for x in zip(*(p[i]["time"] for p in passes)))
 
 
+def _ranked(rows: list[dict]) -> tuple[float, float]:
+    """(Spearman's rank correlation of predicted and measured step times, the median error) of the
+    asserted layouts: the planner must order layouts as this machine does, not only land near them."""
+    asserted = [r for r in rows if r["asserted"]]
+    rho = float(spearmanr([r["time"][0] for r in asserted], [r["time"][1] for r in asserted]).statistic)
+    return rho, statistics.median(_error(r) for r in asserted)
+
+
 def _off(rows: list[dict], steady: set[str]) -> list[str]:
     """What is off: fewer than WITHIN asserted layouts within TIME_TOL, even counting those off but not
     steady (their times moved by noise: they may be within); a steady layout's error over EACH (asserted)
-    or LOOSE (reported)."""
+    or LOOSE (reported); the asserted layouts ranked below RANKED or off by a median above MEDIAN."""
     asserted = [r for r in rows if r["asserted"]]
     within = sum(_error(r) <= TIME_TOL or r["layout"] not in steady for r in asserted)
+    rho, median = _ranked(rows)
     return ([f"{within} of {len(asserted)} within {TIME_TOL:.0%}"] * (within < WITHIN) +
+            [f"rank correlation {rho:.3f} < {RANKED}"] * (rho < RANKED) +
+            [f"median error {median:.1%} > {MEDIAN:.0%}"] * (median > MEDIAN) +
             [r["layout"] for r in rows if r["layout"] in steady and _error(r) > (EACH if r["asserted"] else LOOSE)])
 
 
@@ -131,7 +148,7 @@ def test_predicted_step_time_and_memory_match_this_machine():
     passes = [[row for world in LAYOUTS for row in _measure(world)]]
     rows, names = passes[0], [r["layout"] for r in passes[0]]
     print("\n" + _table(rows))
-    assert sum(r["asserted"] for r in rows) >= WITHIN and {r["cpu"].world for r in rows} == set(LAYOUTS)
+    assert sum(r["asserted"] for r in rows) >= max(WITHIN, 12) and {r["cpu"].world for r in rows} == set(LAYOUTS)
     for r in rows:  # counts, not times: the same on a busy machine
         assert r["memory"][0] == pytest.approx(r["memory"][1], rel=MEMORY_TOL), r["layout"]
         assert r["calls"][0] == r["calls"][1], r["layout"]  # every collective the model charges, and no other
@@ -146,7 +163,7 @@ def test_predicted_step_time_and_memory_match_this_machine():
     busy = next(filter(None, map(_busy, passes)), None)
     errors = sorted(_error(r) for r in rows if r["asserted"])
     print(f"asserted layouts: {sum(e <= TIME_TOL for e in errors)} of {len(errors)} within {TIME_TOL:.0%}, median "
-          f"error {statistics.median(errors):.1%}; moved between {len(passes)} passes by more than {STEADY:.0%}: "
+          f"error {statistics.median(errors):.1%}, Spearman {_ranked(rows)[0]:.3f}; moved between {len(passes)} passes by more than {STEADY:.0%}: "
           + (", ".join(f"{n} ({moved[n]:.0%})" for n in names if n not in steady) or "none"))
     if busy and _off(rows, set(names)):
         pytest.skip(f"the machine is too busy to time: {busy}; off: {_off(rows, set(names))}")

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from minipar import Cluster, GPTConfig, ParallelConfig, estimate
+from minipar.lessons import explorer_html
 from minipar.lessons.explorer import KNOBS, explorer
 from minipar.planner import cpu_time, this_machine
 
@@ -30,8 +31,28 @@ def test_it_starts_at_the_winner_and_shows_its_estimate(ex):
     assert data["label"] == winner.label and data["step_time"] == winner.step_time
     assert data["memory"] == winner.peak_memory and data["mfu"] == pytest.approx(winner.mfu)
     assert all(data[k] == getattr(winner.par, k) for k in ("dp", "tp", "pp", "zero"))
-    assert ex.error_box.value == "" and len(ex.plots.outputs) == 2 and "layouts fit" in ex.ranking.outputs[0]["text"]
+    assert ex.error_box.value == "" and len(ex.plots.outputs) == 3 and "layouts fit" in ex.ranking.outputs[0]["text"]
     assert ex.run_button.disabled  # a GPU cluster: nothing to run here
+
+
+def test_the_sweep_is_the_planners_and_unchecked_combinations_are_marked(ex):
+    """The third figure: the knobs' layout against one knob (planner.sweep); "none" leaves it out. The
+    summary says which measurement has checked such a prediction, or that none has."""
+    from minipar.planner import published, sweep
+    ex.load(1)
+    points = ex.sweep("micro_batch")
+    want = sweep(ex.config(), ex.current.par, ex.cluster(), 64, ex.current.micro_batch, "micro_batch")
+    assert [(v, e.step_time) for v, e in points] == [(v, e.step_time) for v, e in want]
+    assert [v for v, _ in points] == [1, 2, 4, 8] and len(ex.plots.outputs) == 3  # 64 rows on dp 8
+    ex.sweep_knob.value = "none"
+    assert len(ex.plots.outputs) == 2
+    ex.sweep_knob.value = "tp"  # gpt2-xl's 25 heads admit none of tp 2, 4, 8: listed under the plot
+    assert [v for v, e in ex.sweep("tp") if isinstance(e, str)] == [2, 4, 8]
+    assert "tp=8: ParallelConfig.tp (8) must divide the model's n_head (25)" in ex.plots.outputs[-1]["text"]
+    assert shown(ex)["checked"] is None and "unchecked" in ex.summary.value  # ZeRO on one DGX A100
+    table_5 = published.predict(published.RUNS["Table 5 22B selective"])[1]
+    assert published.checked_by(table_5).startswith("Korthikanti")
+    assert "unchecked" not in explorer_html.summary(table_5, None)
 
 
 def test_each_control_moves_the_estimate_as_estimate_says(ex):

@@ -1,14 +1,16 @@
 """The strategy explorer: one ipywidgets dashboard to compare parallel strategies (`explorer()`).
 
-Inputs: a model (a preset fills its sizes; editing a size makes it custom), a cluster (a GPU preset
+Inputs: a model (a preset fills its sizes, key/value heads, FFN width, MLP and tied embeddings;
+editing one makes it custom), a cluster (a GPU preset
 and its nodes, plus optionally nodes of a second kind: `Cluster.mixed`; or "this machine", its CPU
 cores as `ranks` local gloo ranks, calibrated: `planner.this_machine`), a global batch, and every
 ParallelConfig knob (the micro-batch size b stands for `microbatches` = global batch / (dp b)). On
 each change it shows the layout's `estimate`: step time, MFU and memory of the fullest GPU; the step
 cut into the planner's terms beside the plan's winner and a pinned layout "A"; the memory per GPU of
 each pipeline stage by category against its capacity; the pipeline as simulated (Gantt); the
-planner's ranked layouts and the term that makes each lose (`explain`). A layout that breaks a rule
-shows the rule's ValueError message instead.
+planner's ranked layouts and the term that makes each lose (`explain`); the layout's step time and
+memory against one knob (`sweep`); whether a measurement has checked such a prediction
+(`planner.published.checked_by`). A layout that breaks a rule shows its ValueError message instead.
 
 "Run here" (this machine, a small model) trains the knobs' layout with `minipar.train` in a
 background thread, with a progress bar, then draws the measured memory of every rank beside the
@@ -18,8 +20,8 @@ predicted one and, with a pipeline, the measured timeline of the last step besid
 a change in the dashboard redraws into its own outputs. CSS classes name the parts for tests that
 drive it in a browser (tests/test_browser.py): minipar-explorer (the whole), minipar-knob-<knob>,
 minipar-model, minipar-cluster, minipar-batch, minipar-summary (its element with `data-estimate`:
-the estimate as JSON), minipar-error, minipar-plots, minipar-ranking, minipar-pin, minipar-ab,
-minipar-run, minipar-progress, minipar-measured.
+the estimate as JSON), minipar-checked, minipar-error, minipar-sweep, minipar-plots,
+minipar-ranking, minipar-pin, minipar-ab, minipar-run, minipar-progress, minipar-measured.
 """
 from __future__ import annotations
 
@@ -32,37 +34,27 @@ from IPython.display import display
 
 from minipar.config import COLLECTIVES, DP_MODES, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.lessons import explorer_html
-from minipar.lessons.explorer_html import KNOBS, SHAPE
+from minipar.lessons.explorer_html import KNOBS, SHAPE, SWEEPS, shape_of
 from minipar.model import GPTConfig
-from minipar.planner import estimate, plan, this_machine
+from minipar.planner import estimate, plan, sweep, this_machine
+from minipar.planner import published
 from minipar.planner.cluster import Cluster
 from minipar.train import train
 
-# the sizes of Korthikanti et al. 2022 Table 5 (V 51200, s 2048),
-# beside minipar's and GPT-2's presets
-PUBLISHED = {"22B": dict(n_layer=48, n_head=64, d_model=6144),
-             "175B": dict(n_layer=96, n_head=96, d_model=12288),
-             "530B": dict(n_layer=105, n_head=128, d_model=20480),
-             "1T": dict(n_layer=128, n_head=160, d_model=25600)}
-SIZES = {**GPTConfig.PRESETS,
-         **{k: dict(v, vocab_size=51200, seq_len=2048) for k, v in PUBLISHED.items()}}
+PUBLISHED = published.SIZES  # Korthikanti et al.'s Table 5 models, beside minipar's presets
+SIZES = {**GPTConfig.PRESETS, **PUBLISHED}
 THIS = "this machine"
 QUICK = dict(micro_batches=(1, 2), schedules=("1f1b", "interleaved-1f1b"), virtual_stages=(2,),
              zero=(0, 1))
-# this machine times each layer
-HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))
-HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this
-                        #   process: small models only
+HERE = dict(micro_batches=(1, 2), schedules=("gpipe", "1f1b"), zero=(0, 1))  # times each layer
+HERE_MAX_PARAMS = 30e6  # "this machine" profiles the model's layers in this process: small only
 RUN_STEPS, RUN_TIMEOUT = 4, 300
 
 
-def explorer(model: str = "gpt2-xl", cluster: str = "dgx-a100-80g", nodes: int = 1,
-             global_batch: int = 64,
-             precision: str = "bf16", search: str = "full") -> "Explorer":
-    """The dashboard (module docstring), starting at `plan`'s winner;
-    display it as a cell's last value.
-    cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes`
-    is its number of local ranks)."""
+def explorer(model: str = "llama3-8b", cluster: str = "dgx-a100-80g", nodes: int = 1,
+             global_batch: int = 64, precision: str = "bf16", search: str = "full") -> "Explorer":
+    """The dashboard (module docstring), starting at `plan`'s winner; display it as a cell's last
+    value. cluster: a `Cluster.PRESETS` name or "this machine" (then `nodes` is its local ranks)."""
     return Explorer(model, cluster, nodes, global_batch, precision, search)
 
 
@@ -97,21 +89,25 @@ def _knob_controls(precision: str) -> dict:
 class Explorer:
     """The dashboard of `explorer()`. `widget` is the box to display; `estimates` the ranked plan
     (empty when nothing fits: `plan_error` says why), `current` the knobs' estimate (None when they
-    break a rule: `error` is its message), `pinned` layout A's, `result`
-    the last "Run here" TrainResult."""
+    break a rule: `error` is its message), `pinned` layout A's, `result` the last "Run here"
+    TrainResult."""
 
-    def __init__(self, model="gpt2-xl", cluster="dgx-a100-80g", nodes=1, global_batch=64,
-                 precision="bf16",
-                 search="full"):
+    def __init__(self, model="llama3-8b", cluster="dgx-a100-80g", nodes=1, global_batch=64,
+                 precision="bf16", search="full"):
         if model not in SIZES or cluster not in [*Cluster.PRESETS, THIS]:
             raise ValueError(f"model must be one of {list(SIZES)} and cluster one of "
-                             f"{[*Cluster.PRESETS, THIS]}, "
-                             f"got {model!r}, {cluster!r}")
+                             f"{[*Cluster.PRESETS, THIS]}, got {model!r}, {cluster!r}")
         self.model = w.Dropdown(options=[*SIZES, "custom"], value=model,
                                 description="model").add_class("minipar-model")
         self.shape = {k: w.BoundedIntText(min=1, max=1_000_000, description=k,
                                           layout=w.Layout(width="180px"))
                       for k in SHAPE}
+        self.mlp = w.Dropdown(options=["gelu", "swiglu"], description="mlp",
+                              layout=w.Layout(width="180px"))
+        self.tie = w.Checkbox(description="tied embeddings", indent=False,
+                              layout=w.Layout(width="180px"))
+        self.sweep_knob = w.Dropdown(options=SWEEPS, value="micro_batch",
+                                     description="sweep").add_class("minipar-sweep")
         self.kind = w.Dropdown(options=[*Cluster.PRESETS, THIS], value=cluster,
                                description="cluster")
         self.kind.add_class("minipar-cluster")
@@ -151,13 +147,15 @@ class Explorer:
         """The dashboard: inputs, knobs, outputs, top to bottom."""
         widget = w.VBox([
             w.HTML("<b>Model, cluster, batch</b> (a preset fills the sizes; editing a size makes "
-                   "the model custom; "
-                   "on this machine <i>nodes</i> counts local ranks)"),
-            w.HBox([self.model, self.batch, self.search]), w.HBox([self.shape[k] for k in SHAPE]),
+                   "the model custom; on this machine <i>nodes</i> counts local ranks)"),
+            w.HBox([self.model, self.batch, self.search]),
+            w.HBox([self.shape[k] for k in SHAPE[:4]]),
+            w.HBox([*(self.shape[k] for k in SHAPE[4:]), self.mlp, self.tie]),
             w.HBox([self.kind, self.nodes, self.kind2, self.nodes2]),
             w.HTML("<b>The layout</b> (starts at the plan's winner; change any knob)"), self.pick,
             *(w.HBox([self.knobs[k] for k in KNOBS[i:i + 5]]) for i in range(0, len(KNOBS), 5)),
-            self.summary, self.error_box, w.HBox([self.pin_button, self.ab]), self.plots,
+            self.summary, self.error_box, w.HBox([self.pin_button, self.ab]), self.sweep_knob,
+            self.plots,
             w.HBox([self.run_button, self.progress]), self.measured,
             w.HTML("<b>The planner's ranking</b> and why each runner-up loses"), self.ranking])
         return widget.add_class("minipar-explorer")
@@ -165,9 +163,10 @@ class Explorer:
     def _wire(self) -> None:
         """Every control redraws what it changes."""
         self.model.observe(self._on_model, names="value")
-        for c in [*self.shape.values(), self.kind, self.nodes, self.kind2, self.nodes2, self.batch,
-                  self.search]:
+        for c in [*self.shape.values(), self.mlp, self.tie, self.kind, self.nodes, self.kind2,
+                  self.nodes2, self.batch, self.search]:
             c.observe(self._on_plan, names="value")
+        self.sweep_knob.observe(lambda _: self.refresh(), names="value")
         self.pick.observe(self._on_pick, names="value")
         for c in self.knobs.values():
             c.observe(self._on_knob, names="value")
@@ -180,16 +179,16 @@ class Explorer:
     # --------------------------------------------------------------------- state
 
     def config(self) -> GPTConfig:
-        return GPTConfig(**{k: self.shape[k].value for k in SHAPE})
+        return GPTConfig(**{k: self.shape[k].value for k in SHAPE}, mlp=self.mlp.value,
+                         tie_embeddings=self.tie.value)
 
     def cluster(self, world: int | None = None) -> Cluster:
-        """The cluster of the inputs; for this machine, calibrated for
-        `world` ranks (default: nodes)."""
+        """The cluster of the inputs; for this machine, calibrated for `world` ranks (or nodes)."""
         if self.kind.value == THIS:
             if self.config().num_params > HERE_MAX_PARAMS:
                 raise ValueError("this machine times the model's own layers here: choose a model "
-                                 "of at most "
-                                 f"{HERE_MAX_PARAMS / 1e6:.0f}M parameters (tiny, small-cpu), or a "
+                                 f"of at most {HERE_MAX_PARAMS / 1e6:.0f}M parameters (tiny, "
+                                 "small-cpu), or a "
                                  "GPU cluster")
             return this_machine(world=world or self.nodes.value)
         first = Cluster.preset(self.kind.value, nodes=self.nodes.value)
@@ -204,8 +203,7 @@ class Explorer:
         rows = k["dp"] * b
         if self.batch.value % rows:
             raise ValueError(f"the global batch ({self.batch.value}) must be a multiple of dp x "
-                             "micro-batch "
-                             f"({k['dp']} x {b} = {rows})")
+                             f"micro-batch ({k['dp']} x {b} = {rows})")
         return ParallelConfig(**k, microbatches=self.batch.value // rows), b
 
     def replan(self) -> None:
@@ -252,6 +250,13 @@ class Explorer:
         except ValueError as e:
             self.error = f"ValueError: {e}"
 
+    def sweep(self, knob: str) -> list[tuple]:
+        """The knobs' layout with `knob` moved over its values (planner.sweep), GPUs kept."""
+        if knob == "none" or self.current is None:
+            return []
+        return sweep(self.config(), self.current.par, self.cluster(self.current.par.world),
+                     self.batch.value, self.current.micro_batch, knob)
+
     def pin(self) -> None:
         """Keep the knobs' estimate as layout A, shown beside every later one."""
         self.pinned = self.current
@@ -287,9 +292,8 @@ class Explorer:
     def _run(self, cfg, est, steps) -> None:
         try:
             self.result = train(cfg, est.par, steps=steps, global_batch=est.global_batch,
-                                timeout=RUN_TIMEOUT,
-                                on_step=lambda loss,
-                                tokens: setattr(self.progress, "value", self.progress.value + 1))
+                                timeout=RUN_TIMEOUT, on_step=lambda loss, tokens: setattr(
+                                    self.progress, "value", self.progress.value + 1))
             self.measured.outputs = tuple(explorer_html.measured(est, self.result))
         except Exception as e:  # shown in the dashboard; the job's own traceback went to the log
             self.run_error = f"{type(e).__name__}: {e}"
@@ -302,8 +306,11 @@ class Explorer:
     def outputs(self) -> tuple[list, list]:
         """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as
         text (explorer_html.plots, explorer_html.ranking)."""
-        best = (self.estimates or [None])[0]
-        return (explorer_html.plots(self.current, best, self.pinned),
+        best, knob = (self.estimates or [None])[0], self.sweep_knob.value
+        current = self.current and (self.current.micro_batch if knob == "micro_batch" else
+                                    getattr(self.current.par, knob, None))
+        sweep = explorer_html.sweep(knob, self.sweep(knob), current)
+        return (explorer_html.plots(self.current, best, self.pinned) + sweep,
                 explorer_html.ranking(self.estimates, self.plan_error))
 
     def refresh(self) -> None:
@@ -345,8 +352,10 @@ class Explorer:
     def _fill_shape(self, sizes: dict) -> None:
         self._quiet = True
         try:
+            shape = shape_of(GPTConfig(**sizes))
             for k in SHAPE:
-                self.shape[k].value = sizes[k]
+                self.shape[k].value = shape[k]
+            self.mlp.value, self.tie.value = shape["mlp"], shape["tie_embeddings"]
         finally:
             self._quiet = False
 
@@ -360,7 +369,7 @@ class Explorer:
     def _on_plan(self, change) -> None:
         if self._quiet:
             return
-        if change["owner"] in self.shape.values():
+        if change["owner"] in (*self.shape.values(), self.mlp, self.tie):
             self._quiet = True
             self.model.value = "custom"
             self._quiet = False

@@ -26,9 +26,18 @@ from minipar.mesh import Mesh
 from minipar.pipeline import Timeline
 from minipar.planner import TERMS, explain, format_table
 from minipar.planner.cluster import flops_unit, memory_unit
+from minipar.planner.published import checked_by
 
 MAX_BOXES = 3000  # the Gantt draws one box per action: above this many it is left out (seconds)
-SHAPE = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
+SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "seq_len", "vocab_size")
+SWEEPS = ("none", "micro_batch", "tp", "pp", "zero")  # what a sweep can move (`Explorer.sweep`)
+
+
+def shape_of(cfg) -> dict:
+    """The model's sizes as the dashboard shows them (key/value heads and FFN width resolved:
+    GPTConfig's None means n_head and 4 d_model), its MLP and whether the embeddings are tied."""
+    return {**{k: getattr(cfg, k) for k in SHAPE}, "n_kv_head": cfg.kv_heads,
+            "ffn_hidden": cfg.ffn_dim, "mlp": cfg.mlp, "tie_embeddings": cfg.tie_embeddings}
 KNOBS = ("dp", "tp", "pp", "schedule", "virtual_stages", "zero", "recompute", "precision",
          "sequence_parallel",
          "micro_batch", "dp_mode", "bucket_mb", "collectives", "reduce_fp32")
@@ -60,16 +69,20 @@ def summary(est, best) -> str:
                 micro_batch=est.micro_batch,
                 global_batch=est.global_batch, cluster=est.cluster.name, nodes=est.cluster.nodes,
                 gpus=est.cluster.world, breakdown=est.breakdown,
-                model={k: getattr(cfg, k) for k in SHAPE},
+                model=shape_of(cfg), checked=checked_by(est),
                 **{k: getattr(par, k) for k in KNOBS if k != "micro_batch"})
     vs = f", {est.step_time / best.step_time:.3f}x the winner's" if best else ""
     fits = "fits" if est.fits else "<b style='color:#b00'>does NOT fit</b>"
     attribute = html.escape(json.dumps(data), quote=True)
+    check = (f"checked: {html.escape(data['checked'])}" if data["checked"] else
+             "<b style='color:#b60'>&#9888; unchecked</b>: no measurement has checked this "
+             "combination's prediction")
     return (f"<div data-estimate='{attribute}'><b>{html.escape(est.label)}</b> "
             f"({html.escape(par.precision)}) on {html.escape(est.cluster.name)}: step "
             f"<b>{est.step_time:.4g} s</b>{vs}; MFU <b>{est.mfu:.1%}</b>, "
             f"{rate(est.flops_per_gpu)} a GPU; fullest GPU "
-            f"<b>{size(est.peak_memory)}</b> of {size(est.capacity)}: {fits}</div>")
+            f"<b>{size(est.peak_memory)}</b> of {size(est.capacity)} usable: {fits}"
+            f"<br><span class='minipar-checked'>{check}</span></div>")
 
 
 def size(n: float) -> str:
@@ -148,6 +161,30 @@ def plots(est, best, pinned) -> list[dict]:
     tl = est.timeline
     title = f"{est.label}, simulated (s): bubble {tl.bubble:.1%}"
     return out + [png(viz_pipeline.gantt(tl, title=title))]
+
+
+def sweep(knob: str, points: list, current) -> list[dict]:
+    """Step time and memory of the knobs' layout against one knob (`Explorer.sweep`'s points:
+    (value, Estimate or the rule it breaks)), the usable memory as a line, the knobs' value
+    marked; values that break a rule are listed under the plot."""
+    good = [(v, e) for v, e in points if not isinstance(e, str)]
+    if knob == "none" or not good:
+        return []
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 2.8), layout="constrained")
+    xs = [str(v) for v, _ in good]
+    unit, name = memory_unit(*(e.peak_memory for _, e in good), good[0][1].capacity)
+    ax_t.plot(xs, [e.step_time for _, e in good], "o-", color="#4c72b0")
+    ax_m.plot(xs, [e.peak_memory / unit for _, e in good], "o-", color="#dd8452")
+    ax_m.axhline(good[0][1].capacity / unit, color="black", lw=1, ls="--", label="usable")
+    for ax, what in ((ax_t, "step s"), (ax_m, f"{name} on the fullest GPU")):
+        ax.set(xlabel=knob, ylabel=what)
+        ax.grid(alpha=0.3)
+        if current in [v for v, _ in good]:
+            ax.axvline(xs[[v for v, _ in good].index(current)], color="#999", lw=6, alpha=0.3)
+    ax_m.legend(fontsize=7)
+    ax_t.set_title(f"the knobs' layout with {knob} swept (grey: now)", fontsize=10, loc="left")
+    broken = [f"{knob}={v}: {e}" for v, e in points if isinstance(e, str)]
+    return [png(fig)] + ([text("not shown:\n" + "\n".join(broken))] if broken else [])
 
 
 def ranking(estimates: list, plan_error: str | None) -> list[dict]:

@@ -8,13 +8,14 @@ a search.
     calibrate.py      this machine measured: its cores, gloo links and time-sharing, as a Cluster
     layer_profile.py  the model's own layer timed on this machine
     predict.py        `estimate`: memory by category and the step time with its breakdown
-    search.py         `plan` (every layout that fits, fastest first), `explain`, `format_table`
+    search.py         `plan` (every layout that fits, fastest first), `explain`, `format_table`,
+                      `sweep` (one layout against one knob)
+    published.py      published runs the model is checked against, and what each checks
 """
 from minipar.planner.calibrate import this_machine
 from minipar.planner.cluster import Cluster, GiB, Link
 from minipar.planner.predict import TERMS, Estimate, estimate
-from minipar.planner.search import NoFeasiblePlan, candidates, explain, format_table, plan
+from minipar.planner.search import NoFeasiblePlan, candidates, explain, format_table, plan, sweep
 
 __all__ = ["GiB", "TERMS", "Cluster", "Estimate", "Link", "NoFeasiblePlan", "candidates",
-           "estimate", "explain",
-           "format_table", "plan", "this_machine"]
+           "estimate", "explain", "format_table", "plan", "sweep", "this_machine"]

@@ -39,12 +39,12 @@ README and docs/references.md).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
-A chunk gets layers in proportion to its GPUs' matmul rate (largest remainder, at least one), moved
-one at a time from a stage that overflows its memory to the one with the most room; a DP replica
-gets micro-batches in proportion to its rate. From there `refine` searches: one layer or one share
-of micro-batches moved at a time, while the step gets shorter under this model and the stages fit
-(the fixed split is not optimal even under its own model: the embeddings and the head weigh on the
-first and last stages). The step is the slowest replica's.
+The chunks' layers are the split whose slowest chunk is fastest (partition.min_max, dynamic
+programming over the boundaries, from each chunk's time a layer on its GPUs and the ends), then
+moved one at a time from a stage that overflows its memory to the one with the most room; a DP
+replica gets micro-batches in proportion to its rate. From there `refine` searches: one layer or
+one share of micro-batches moved at a time, while the step gets shorter under this model (bubble,
+messages, DP time) and the stages fit. The step is the slowest replica's.
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ from minipar.mesh import grid_ranks
 from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, flops_unit, memory_unit
 from minipar.planner.gpu_time import OVERLAPS, Work, chunk_cost, dp_time, optimizer_time, p2p
+from minipar.planner.partition import chunk_seconds, min_max
 from minipar.step_memory import predict_peak
 
 TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
@@ -197,10 +198,9 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
         raise ValueError(f"overlap must be one of {sorted(OVERLAPS)}, got {overlap!r}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
     p, chunks, dp = par.pp, par.pp * par.virtual_stages, par.dp
-    stage, replica = ([grid_ranks(dp, par.tp, p, pp_rank=r) for r in range(p)],
-                      [grid_ranks(dp, par.tp, p, dp_rank=j) for j in range(dp)])
-    speed = [cluster.rate(ranks, par.precision) for ranks in stage]
-    layers = _proportional(cfg.n_layer, [speed[c % p] for c in range(chunks)])
+    replica = [grid_ranks(dp, par.tp, p, dp_rank=j) for j in range(dp)]
+    layers = min_max(cfg.n_layer, *chunk_seconds(cfg, par, cluster, micro_batch, attention)) \
+        if cluster.groups else _proportional(cfg.n_layer, [1.0] * chunks)  # as partition() cuts
     rates = [cluster.rate(ranks, par.precision) for ranks in replica]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
     est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention, overlap)
@@ -264,12 +264,11 @@ def _step_peak(cfg, par, cluster, b: int, attention: str) -> dict | None:
 
 
 def refine(cfg, est: Estimate) -> Estimate:
-    """A timed estimate on a mixed cluster, its splits searched under this model: from the
-    proportional split (`split_layout`), move one layer from a chunk to a neighbouring chunk or
-    one share unit of micro-batches from a replica to a neighbouring replica; take the move that
-    shortens the step most, while one shortens it by more than a part in 10^4 (float noise is no
-    reason) and every stage still fits. A local search: each round looks at 2 (chunks - 1) +
-    2 (dp - 1) moves. A homogeneous cluster's even split is returned as it is."""
+    """A timed estimate on a mixed cluster, its splits searched under this model: from
+    `split_layout`'s, move one layer or one share unit of micro-batches to a neighbouring chunk or
+    replica; take the move that shortens the step most, while one shortens it by more than a part
+    in 10^4 (not float noise) and every stage fits: 2 (chunks - 1) + 2 (dp - 1) moves a round. A
+    homogeneous cluster's even split is returned as it is."""
     if not est.cluster.groups:
         return est
     unit = _share_unit(est.par)

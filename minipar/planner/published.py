@@ -131,3 +131,26 @@ def compare(names=None) -> dict[str, tuple[float, float, float]]:
         got = predict(RUNS[name])[0]
         out[name] = (got, RUNS[name].published, got / RUNS[name].published - 1)
     return out
+
+
+# What a measurement has checked, by GPU kind and technique: (what, which estimates it covers).
+# Everything else the planner predicts, no measurement has checked (the explorer marks it).
+CHECKED = [
+    ("Korthikanti et al. 2022 Table 5 (A100, TP 8 with SP, PP, recomputation): within 10%",
+     lambda e: e.cluster.name == "dgx-a100-80g" and e.par.tp == 8 and e.par.sequence_parallel
+     and e.par.dp == 1 and e.par.zero == 0 and e.par.recompute != "none"),
+    ("BLOOM-176B, MT-NLG 530B (A100, TP x PP x DP, ZeRO-1, full recomputation): predicted 20-28% "
+     "faster than Megatron-DeepSpeed ran",
+     lambda e: e.cluster.name == "dgx-a100-80g" and e.par.tp > 1 and e.par.pp > 1
+     and e.par.zero <= 1 and e.par.recompute == "full"),
+    ("torchtitan Llama 3 8B (H100, FSDP): within 5% on 128 GPUs, 16% on 8",
+     lambda e: e.cluster.name in ("dgx-h100", "h100-torchtitan") and e.par.zero == 3
+     and e.par.tp == e.par.pp == 1),
+    ("this machine, 2 and 4 ranks (tests/test_planner_measured.py)",
+     lambda e: e.cluster.cpu is not None and e.par.world in (2, 4)),
+]
+
+
+def checked_by(est) -> str | None:
+    """Which measurement has checked predictions like `est` (CHECKED), or None: none has."""
+    return next((what for what, covers in CHECKED if covers(est)), None)

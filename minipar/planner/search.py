@@ -6,7 +6,7 @@ import dataclasses
 
 from minipar.config import SCHEDULES, ParallelConfig, tp_sizes
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
-from minipar.planner.predict import TERMS, Estimate, refine, split_layout, time_layout
+from minipar.planner.predict import TERMS, Estimate, estimate, refine, split_layout, time_layout
 
 
 class NoFeasiblePlan(ValueError):
@@ -206,3 +206,29 @@ def format_table(estimates: list[Estimate], top: int = 10) -> str:
     fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c,
                               (x, w) in enumerate(zip(r, widths)))
     return "\n".join([fmt(heads)] + [fmt(r) for r in rows])
+
+
+def sweep(cfg, par, cluster, global_batch: int, micro_batch: int, knob: str) -> list[tuple]:
+    """(value, Estimate or the ValueError's message) of layout `par` with `knob` moved over its
+    values on the same GPUs: "micro_batch" over the powers of 2 up to a replica's share of the
+    global batch; "tp" and "pp" over the divisors of par.world, dp taking what they leave; "zero"
+    over 0-3. What a knob does to step time and memory, one layout at a time."""
+    gpus, other = par.world, {"tp": par.pp, "pp": par.tp}
+    values = {"micro_batch": [1 << i for i in range(20) if 1 << i <= global_batch // par.dp],
+              **{k: [d for d in range(1, gpus + 1) if gpus % (d * o) == 0]
+                 for k, o in other.items()},
+              "zero": [0, 1, 2, 3]}
+    if knob not in values:
+        raise ValueError(f"knob must be one of {sorted(values)}, got {knob!r}")
+    points = []
+    for v in values[knob]:
+        b, change = (v, {}) if knob == "micro_batch" else (micro_batch, {knob: v})
+        if knob in other:
+            change["dp"] = gpus // (v * other[knob])
+        if knob == "tp":  # sequence parallelism needs tp > 1
+            change["sequence_parallel"] = par.sequence_parallel and v > 1
+        try:
+            points.append((v, estimate(cfg, par.replace(**change), cluster, global_batch, b)))
+        except ValueError as e:
+            points.append((v, str(e)))
+    return points
