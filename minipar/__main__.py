@@ -271,7 +271,10 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                        formatter_class=Help)
     model_arguments(p, "llama3-8b")
     p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
+    p.add_argument("--overlap", default="minipar", choices=("minipar", "production"),
+                   help="whose communication overlaps to time: minipar's code, or Megatron-LM's "
+                        "and DeepSpeed's")
     p.add_argument("--global-batch", type=int, default=512, help="sequences a step")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -283,10 +286,13 @@ def run_plan(args) -> None:
     for field in ("top", "global_batch"):  # before the header: nothing printed for a bad request
         if getattr(args, field) < 1:
             raise ValueError(f"{field} must be a positive integer, got {getattr(args, field)}")
-    print(f"model {name}: {cfg.num_params / 1e9:.2f} B parameters | {cluster.world} GPUs "
-          f"({args.cluster} x {args.nodes}) | global batch {args.global_batch}")
+    print(f"model {name}: {cfg.num_params / 1e6:,.1f} M parameters | {cluster.world} GPUs "
+          f"({args.cluster} x {args.nodes}; {cluster.usable:.0%} of each GPU's "
+          f"{cluster.memory_per_gpu / 2**30:.0f} GiB usable) | global batch {args.global_batch} | "
+          f"{args.overlap}'s overlaps")
     try:
-        ranked = plan(cfg, cluster, args.global_batch, precision=args.precision)
+        ranked = plan(cfg, cluster, args.global_batch, precision=args.precision,
+                      overlap=args.overlap)
     except NoFeasiblePlan as e:
         sys.exit(f"no layout fits: {e}")
     print(format_table(ranked, top=args.top))

@@ -7,8 +7,12 @@ from minipar.__main__ import main
 def test_plan_prints_a_ranked_table_with_reasons(capsys):
     main(["plan", "--model", "gpt2-xl", "--cluster", "dgx-h100", "--global-batch", "64", "--top", "3"])
     out, _ = capsys.readouterr()
-    assert "8 GPUs (dgx-h100 x 1)" in out and "MFU" in out and "dp_comm" in out
+    assert "8 GPUs (dgx-h100 x 1; 80% of each GPU's 80 GiB usable)" in out and "MFU" in out and "dp_comm s" in out
     assert out.count("\n#2 ") == 1 and "#3 " in out  # the winner, then what each runner-up loses by
+    assert "minipar's overlaps" in out
+    main(["plan", "--model", "gpt2-xl", "--cluster", "dgx-h100", "--global-batch", "64", "--top", "3",
+          "--overlap", "production"])
+    assert "production's overlaps" in capsys.readouterr()[0]
 
 
 def test_a_plan_nothing_satisfies_says_what_would(capsys):

@@ -81,7 +81,7 @@ class Cluster:
     # backward; under this model its matmuls then ran at a ceiling of 0.77
     # (`gpu_time.fit_efficiency` redoes it; the table's other four rows then come out within
     # 10%). H200: an 8192^3 bf16 matmul through PyTorch ran at 790 of 989 TFLOP/s on one H200
-    # (measured for minipar; `bench/gpu_check.py` measures it again where a GPU is lent), a
+    # (measured once for minipar, on a GPU lent for an earlier issue; not re-measured since), a
     # ceiling of 0.82 once its last wave's idle SMs are counted (`gpu_time.ceiling_of`). H100 SXM:
     # the same GH100 chip, SMs and peak, so the H200's ceiling, assumed (its HBM differs, and the
     # bytes are modelled apart).

@@ -7,8 +7,8 @@ layout, what the source leaves open, and the figure it reports (docs/references.
                           convention (`Run.metric`)
     compare()             {name: (predicted, published, predicted / published - 1)}
 
-One preset per GPU kind, nothing tuned per row: the A100 rows all run on `dgx-a100-80g`, the
-torchtitan rows on `h100-torchtitan` (its H100s: 96 GB HBM2e at 2.4 TB/s, 500 W).
+One preset per GPU kind, nothing tuned per row: the A100 rows run on `dgx-a100-80g` (BLOOM's with
+Jean Zay's slower network), the torchtitan rows on `h100-torchtitan` (MACHINES).
 
 Metrics:
     step_s          seconds a step
@@ -38,7 +38,7 @@ SIZES = {"22B": dict(n_layer=48, n_head=64, d_model=6144, **KORTHIKANTI),  # Tab
 @dataclass(frozen=True)
 class Run:
     cfg: GPTConfig
-    cluster: str              # a Cluster.PRESETS name (or "h100-torchtitan", below)
+    cluster: str              # a Cluster.PRESETS name, or one of MACHINES (below)
     nodes: int
     layouts: tuple            # ParallelConfigs: one, or those the source leaves open
     global_batch: int         # sequences a step
@@ -49,15 +49,19 @@ class Run:
     attention: str = "materialized"  # Megatron-LM before FlashAttention; torchtitan: "flash"
 
 
-# torchtitan's benchmark H100s, a preset of their own: the SXM part's peak, SMs and NVLink, with 96
-# GB of HBM2e at 2.4 TB/s (the benchmark's own description of its machines) and 400 Gb/s RDMA a GPU
-H100_TORCHTITAN = dict(memory_per_gpu=96e9, memory_bandwidth=2.4e12, inter_bandwidth=50e9)
+# Machines of their own: the GPU kind's preset with what the source says differs.
+# torchtitan's benchmark H100s: the SXM part's peak, SMs and NVLink (its 500 W parts may run below
+# that peak: not stated), 96 GB of HBM2e at 2.4 TB/s and 400 Gb/s RDMA a GPU. Jean Zay, where BLOOM
+# trained: A100 80 GB nodes of 8 with 4 x 100 Gb/s Omni-Path links a node, 6.25 GB/s a GPU.
+MACHINES = {"h100-torchtitan": ("dgx-h100", dict(memory_per_gpu=96e9, memory_bandwidth=2.4e12,
+                                                 inter_bandwidth=50e9)),
+            "jean-zay-a100": ("dgx-a100-80g", dict(inter_bandwidth=4 * 12.5e9 / 8))}
 
 
 def cluster_of(run: Run) -> Cluster:
-    if run.cluster == "h100-torchtitan":
-        return dataclasses.replace(Cluster.preset("dgx-h100", run.nodes), name=run.cluster,
-                                   **H100_TORCHTITAN)
+    if run.cluster in MACHINES:
+        kind, changes = MACHINES[run.cluster]
+        return dataclasses.replace(Cluster.preset(kind, run.nodes), name=run.cluster, **changes)
     return Cluster.preset(run.cluster, nodes=run.nodes)
 
 
@@ -80,7 +84,7 @@ RUNS = {
                               "530B": (37.83, 49.05), "1T": (71.49, 94.42)}.items()
        for rc, t in (("selective", sel), ("full", full))},
     "BLOOM-176B 384 GPUs": Run(
-        BLOOM, "dgx-a100-80g", 48, (ParallelConfig(dp=8, tp=4, pp=12, **MEGATRON_DEEPSPEED),),
+        BLOOM, "jean-zay-a100", 48, (ParallelConfig(dp=8, tp=4, pp=12, **MEGATRON_DEEPSPEED),),
         2048, (2,), "hfu_tflops", 150.0,
         "BigScience BLOOM model card and training logbook (about 150 TFLOP/s a GPU); micro-batch "
         "2, full recomputation, from its training script; modelled untied (minipar's pipeline "
@@ -133,19 +137,37 @@ def compare(names=None) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-# What a measurement has checked, by GPU kind and technique: (what, which estimates it covers).
-# Everything else the planner predicts, no measurement has checked (the explorer marks it).
+def _gpt2(e) -> bool:
+    """GPT-2's shapes (4h GELU MLP, full multi-head attention) in bf16, attention in memory: the
+    Megatron runs'."""
+    cfg = e.cfg
+    return (cfg.mlp == "gelu" and cfg.kv_heads == cfg.n_head and cfg.ffn_dim == 4 * cfg.d_model
+            and e.par.precision == "bf16" and e.attention == "materialized")
+
+
+def _llama(e) -> bool:
+    """Llama's shapes (SwiGLU, grouped-query attention), bf16, fused attention: torchtitan's."""
+    return (e.cfg.mlp == "swiglu" and e.cfg.kv_heads < e.cfg.n_head and e.par.precision == "bf16"
+            and e.attention == "flash")
+
+
+# What a measurement has checked, by GPU kind, model shape and technique: (what, which estimates it
+# covers). Everything else the planner predicts, no measurement has checked (the explorer marks it).
 CHECKED = [
-    ("Korthikanti et al. 2022 Table 5 (A100, TP 8 with SP, PP, recomputation): within 10%",
-     lambda e: e.cluster.name == "dgx-a100-80g" and e.par.tp == 8 and e.par.sequence_parallel
-     and e.par.dp == 1 and e.par.zero == 0 and e.par.recompute != "none"),
-    ("BLOOM-176B, MT-NLG 530B (A100, TP x PP x DP, ZeRO-1, full recomputation): predicted 20-28% "
-     "faster than Megatron-DeepSpeed ran",
-     lambda e: e.cluster.name == "dgx-a100-80g" and e.par.tp > 1 and e.par.pp > 1
+    ("Korthikanti et al. 2022 Table 5 (A100, GPT shapes, TP 8 with SP, PP, recomputation): within "
+     "10%",
+     lambda e: e.cluster.name == "dgx-a100-80g" and _gpt2(e) and e.par.tp == 8
+     and e.par.sequence_parallel and e.par.dp == 1 and e.par.zero == 0
+     and e.par.recompute != "none"),
+    ("BLOOM-176B, MT-NLG 530B (A100, GPT shapes, TP x PP x DP, ZeRO-1, full recomputation): "
+     "predicted 20-28% faster than Megatron-DeepSpeed ran",
+     lambda e: e.cluster.name in ("dgx-a100-80g", "jean-zay-a100") and _gpt2(e) and e.par.tp > 1
+     and e.par.pp > 1
      and e.par.zero <= 1 and e.par.recompute == "full"),
-    ("torchtitan Llama 3 8B (H100, FSDP): within 5% on 128 GPUs, 16% on 8",
-     lambda e: e.cluster.name in ("dgx-h100", "h100-torchtitan") and e.par.zero == 3
-     and e.par.tp == e.par.pp == 1),
+    ("torchtitan Llama 3 8B (H100, Llama shapes, FSDP, full recomputation): within 5% on 128 "
+     "GPUs, 16% on 8",
+     lambda e: e.cluster.name in ("dgx-h100", "h100-torchtitan") and _llama(e) and e.par.zero == 3
+     and e.par.tp == e.par.pp == 1 and e.par.recompute == "full"),
     ("this machine, 2 and 4 ranks (tests/test_planner_measured.py)",
      lambda e: e.cluster.cpu is not None and e.par.world in (2, 4)),
 ]

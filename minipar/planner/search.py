@@ -197,10 +197,11 @@ def format_table(estimates: list[Estimate], top: int = 10) -> str:
     shown = estimates[:top]
     (flops, fname), (mem, mname) = (flops_unit(*(e.flops_per_gpu for e in shown)),
                                     memory_unit(*(e.peak_memory for e in shown)))
-    heads = ["#", "layout", "step s", fname, "MFU", mname] + list(TERMS)
+    heads = ["#", "layout", "step s", fname, "MFU", mname] + [f"{k} s" for k in TERMS]
+    term = lambda e, k: f"{e.breakdown[k]:.3g}" if e.breakdown[k] > NEGLIGIBLE_TIME * 1e-6 * \
+        e.step_time else "0"  # float noise of a simulated bubble is no bubble
     rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.flops_per_gpu / flops:.3g}",
-             f"{e.mfu:.1%}", f"{e.peak_memory / mem:.1f}"] + [f"{e.breakdown[k]:.3g}"
-                                                               for k in TERMS]
+             f"{e.mfu:.1%}", f"{e.peak_memory / mem:.1f}"] + [term(e, k) for k in TERMS]
             for i, e in enumerate(shown, 1)]
     widths = [max(len(r[c]) for r in [heads] + rows) for c in range(len(heads))]
     fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c,
