@@ -407,20 +407,29 @@ def test_a_small_machine_is_shown_in_units_that_say_something():
     assert ax.get_ylabel() == "MiB per GPU" and ax.get_ylim()[1] > 1
 
 
+LLAMA_SMALL = GPTConfig.preset("llama3-8b", n_layer=8, seq_len=2048)  # Llama's shapes, a plan's size
+
+
 @pytest.mark.parametrize("preset", ["dgx-a100-80g", "dgx-h100", "h200"])
-def test_no_plan_runs_faster_than_its_hardware(preset):
+@pytest.mark.parametrize("cfg", [CFG, LLAMA_SMALL], ids=["gpt", "llama"])
+def test_no_plan_runs_faster_than_its_hardware(preset, cfg):
     """A throughput above peak is a bug, not a result: for every layout plan searches, the model's
-    FLOP/s stay under the GPUs' peak (MFU <= 1, compute no faster than the peak allows), and a step
-    without a pipeline lasts at least as long as its DP collectives take on their link."""
+    FLOP/s stay under the GPUs' peak (MFU <= 1, compute no faster than the peak allows); a GPU's
+    matmuls take at least the time its HBM needs to read the weights they use once a micro-batch;
+    and a step without a pipeline lasts at least as long as its DP collectives take on their link."""
     from minipar import traffic
     from minipar.mesh import rank_at
     cluster = Cluster.preset(preset, nodes=2)
-    ests = plan(CFG, cluster, global_batch=32, micro_batches=(1, 2), recompute=("none", "full"))
+    ests = plan(cfg, cluster, global_batch=32, micro_batches=(1, 2), recompute=("none", "full"))
     assert len(ests) > 20
     for e in ests:
         assert 0 < e.mfu <= 1, e.label
         assert e.breakdown["compute"] >= e.model_flops / cluster.peak_total * (1 - 1e-9), e.label
+        weights = max(sum(memory.rank_units(cfg, e.par.tp, list(e.layers), e.par.pp, r))
+                      for r in range(e.par.pp))  # the fullest stage's, each read for its matmuls
+        reads = max(e.shares) * 2 * weights / cluster.memory_bandwidth
+        assert e.breakdown["compute"] + e.breakdown["recompute"] >= reads * (1 - 1e-9), e.label
         if e.par.pp == 1 and e.par.dp > 1:
             link = cluster.link([rank_at(e.par.dp, e.par.tp, j, 0, 0) for j in range(e.par.dp)])
-            sent = sum(traffic.dp(CFG, e.par).values())
+            sent = sum(traffic.dp(cfg, e.par).values())
             assert e.step_time >= sent / link.bandwidth * (1 - 1e-9), e.label
