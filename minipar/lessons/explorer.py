@@ -134,7 +134,7 @@ class Explorer:
         self.progress = w.IntProgress(value=0, min=0, max=RUN_STEPS,
                                       description="steps").add_class("minipar-progress")
         self.measured = w.Output().add_class("minipar-measured")
-        self.estimates, self.current, self.pinned = [], None, None
+        self.estimates, self.current, self.pinned, self._swept = [], None, None, (None, None, [])
         self.error, self.plan_error = None, None
         self.result, self.run_error, self._thread, self._quiet = None, None, None, False
         self._fill_shape(SIZES[model])
@@ -251,11 +251,13 @@ class Explorer:
             self.error = f"ValueError: {e}"
 
     def sweep(self, knob: str) -> list[tuple]:
-        """The knobs' layout with `knob` moved over its values (planner.sweep), GPUs kept."""
+        """The knobs' layout with `knob` moved over its values (planner.sweep), once an estimate."""
         if knob == "none" or self.current is None:
             return []
-        return sweep(self.config(), self.current.par, self.cluster(self.current.par.world),
-                     self.batch.value, self.current.micro_batch, knob)
+        if self._swept[0] is not self.current or self._swept[1] != knob:
+            self._swept = (self.current, knob, sweep(self.config(), self.current.par, self.cluster(
+                self.current.par.world), self.batch.value, self.current.micro_batch, knob))
+        return self._swept[2]
 
     def pin(self) -> None:
         """Keep the knobs' estimate as layout A, shown beside every later one."""
@@ -304,13 +306,11 @@ class Explorer:
     # --------------------------------------------------------------------- drawing
 
     def outputs(self) -> tuple[list, list]:
-        """(plots, ranking) as Output widget outputs: the knobs' figures, the ranked plan as
-        text (explorer_html.plots, explorer_html.ranking)."""
+        """(plots, ranking) as Output widget outputs: the knobs' figures and sweep, the plan."""
         best, knob = (self.estimates or [None])[0], self.sweep_knob.value
-        current = self.current and (self.current.micro_batch if knob == "micro_batch" else
-                                    getattr(self.current.par, knob, None))
-        sweep = explorer_html.sweep(knob, self.sweep(knob), current)
-        return (explorer_html.plots(self.current, best, self.pinned) + sweep,
+        of = self.current if knob == "micro_batch" else getattr(self.current, "par", None)
+        return (explorer_html.plots(self.current, best, self.pinned)
+                + explorer_html.sweep(knob, self.sweep(knob), getattr(of, knob, None)),
                 explorer_html.ranking(self.estimates, self.plan_error))
 
     def refresh(self) -> None:

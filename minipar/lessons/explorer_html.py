@@ -171,7 +171,8 @@ def sweep(knob: str, points: list, current) -> list[dict]:
     if knob == "none" or not good:
         return []
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 2.8), layout="constrained")
-    xs = [str(v) for v, _ in good]
+    values = [v for v, _ in good]
+    xs = [str(v) for v in values]
     unit, name = memory_unit(*(e.peak_memory for _, e in good), good[0][1].capacity)
     ax_t.plot(xs, [e.step_time for _, e in good], "o-", color="#4c72b0")
     ax_m.plot(xs, [e.peak_memory / unit for _, e in good], "o-", color="#dd8452")
@@ -179,8 +180,8 @@ def sweep(knob: str, points: list, current) -> list[dict]:
     for ax, what in ((ax_t, "step s"), (ax_m, f"{name} on the fullest GPU")):
         ax.set(xlabel=knob, ylabel=what)
         ax.grid(alpha=0.3)
-        if current in [v for v, _ in good]:
-            ax.axvline(xs[[v for v, _ in good].index(current)], color="#999", lw=6, alpha=0.3)
+        if current in values:
+            ax.axvline(xs[values.index(current)], color="#999", lw=6, alpha=0.3)
     ax_m.legend(fontsize=7)
     ax_t.set_title(f"the knobs' layout with {knob} swept (grey: now)", fontsize=10, loc="left")
     broken = [f"{knob}={v}: {e}" for v, e in points if isinstance(e, str)]

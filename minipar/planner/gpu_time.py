@@ -94,6 +94,16 @@ class Work:
     sms: int = 108            # streaming multiprocessors: tiles computed at once
 
 
+def work_on(cluster: Cluster, ranks, par, b: int, attention: str) -> Work:
+    """How the GPUs `ranks` of `cluster` (a chunk's TP group, or a stage) run a micro-batch of b
+    sequences of layout `par`: the slowest one's matmul rate, HBM and SMs, their link."""
+    return Work(b, par.tp, par.sequence_parallel, par.recompute,
+                memory.element_bytes(par.precision), cluster.rate(ranks, par.precision),
+                min(cluster.device(x).memory_bandwidth for x in ranks), cluster.link(ranks),
+                par.schedule == "zb-h1", attention == "materialized",
+                min(cluster.device(x).sms for x in ranks))
+
+
 def waves(m: int, n: int, sms: int, batch: int = 1) -> int:
     """Waves of TILE x TILE output tiles that `batch` (m x n) outputs take on `sms` SMs."""
     return math.ceil(batch * math.ceil(m / TILE) * math.ceil(n / TILE) / sms)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import functools
 
-from minipar import memory
 from minipar.mesh import grid_ranks
-from minipar.planner.gpu_time import Work, chunk_cost
+from minipar.planner.gpu_time import chunk_cost, work_on
 
 
 def min_max(n_layer: int, layer: list[float], emb: list[float], head: list[float]) -> list[int]:
@@ -40,16 +39,11 @@ def min_max(n_layer: int, layer: list[float], emb: list[float], head: list[float
 
 def chunk_seconds(cfg, par, cluster, b: int, attention: str) -> tuple[list, list, list]:
     """(layer, emb, head) seconds of each chunk per micro-batch of b sequences on its stage's GPUs
-    (the slowest of them), from gpu_time's chunk cost: min_max's inputs."""
-    e, chunks = memory.element_bytes(par.precision), par.pp * par.virtual_stages
+    (`gpu_time.work_on`: the slowest of them), from gpu_time's chunk cost: min_max's inputs."""
     out = ([], [], [])
-    for c in range(chunks):
-        ranks = grid_ranks(par.dp, par.tp, par.pp, pp_rank=c % par.pp)
-        slowest = min(ranks, key=lambda r: cluster.rate([r], par.precision))
-        dev = cluster.device(slowest)
-        w = Work(b, par.tp, par.sequence_parallel, par.recompute, e,
-                 cluster.rate([slowest], par.precision), dev.memory_bandwidth, cluster.link(ranks),
-                 par.schedule == "zb-h1", attention == "materialized", dev.sms)
+    for c in range(par.pp * par.virtual_stages):
+        w = work_on(cluster, grid_ranks(par.dp, par.tp, par.pp, pp_rank=c % par.pp), par, b,
+                    attention)
         seconds = [sum(v for op in chunk_cost(cfg, w, n, first, last).values() for v in op.values())
                    for n, first, last in ((1, False, False), (0, True, False), (0, False, True))]
         for part, s in zip(out, seconds):

@@ -57,7 +57,8 @@ from minipar.config import ParallelConfig
 from minipar.mesh import grid_ranks
 from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, flops_unit, memory_unit
-from minipar.planner.gpu_time import OVERLAPS, Work, chunk_cost, dp_time, optimizer_time, p2p
+from minipar.planner.gpu_time import (OVERLAPS, chunk_cost, dp_time, optimizer_time, p2p,
+                                      work_on)
 from minipar.planner.partition import chunk_seconds, min_max
 from minipar.step_memory import predict_peak
 
@@ -331,12 +332,8 @@ def _replica_time(cfg, est: Estimate, j: int, e: int) -> tuple:
     costs = []
     for c, n in enumerate(est.layers):
         ranks = grid_ranks(par.dp, par.tp, p, pp_rank=c % p, dp_rank=j)
-        w = Work(b, par.tp, par.sequence_parallel, par.recompute, e,
-                 cluster.rate(ranks, par.precision),
-                 min(cluster.device(x).memory_bandwidth for x in ranks), cluster.link(ranks),
-                 par.schedule == "zb-h1", est.attention == "materialized",
-                 min(cluster.device(x).sms for x in ranks))
-        costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
+        costs.append(chunk_cost(cfg, work_on(cluster, ranks, par, b, est.attention), n, c == 0,
+                                c == chunks - 1))
     message = b * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
     latency = p2p(message, cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp]))
     with_msgs, free, r, timeline = _pipeline_time(par, costs, m, latency)
