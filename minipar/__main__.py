@@ -28,6 +28,7 @@ from minipar.lessons.viz import loss_curve
 from minipar.model import GPT, GPTConfig, sample
 from minipar.planner import NoFeasiblePlan, explain, format_table, plan
 from minipar.planner.cluster import Cluster
+from minipar.planner.gpu_time import WHOSE
 from minipar.precision import DTYPES
 from minipar.train import NonFiniteLoss, train
 
@@ -272,9 +273,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     model_arguments(p, "llama3-8b")
     p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
-    p.add_argument("--overlap", default="minipar", choices=("minipar", "production"),
-                   help="whose communication overlaps to time: minipar's code, or Megatron-LM's "
-                        "and DeepSpeed's")
+    p.add_argument("--overlap", default="minipar", choices=sorted(WHOSE),
+                   help="whose overlaps and pipeline messages to time: "
+                        + ", ".join(f"{k} ({v})" for k, v in WHOSE.items()))
     p.add_argument("--global-batch", type=int, default=512, help="sequences a step")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--top", type=int, default=10, help="rows of the table")

@@ -373,7 +373,33 @@ def test_production_overlaps_the_parameter_gather_minipar_waits_for():
         {k: v for k, v in ours.breakdown.items() if k != "dp_comm"}
     assert "production's overlaps" in repr(theirs) and "minipar's overlaps" in repr(ours)
     with pytest.raises(ValueError, match="overlap must be one of"):
-        estimate(cfg, par, two, 64, 1, overlap="megatron")
+        estimate(cfg, par, two, 64, 1, overlap="megatron-lm")
+
+
+def test_deepspeeds_pipeline_blocks_on_its_messages_and_reduces_after_the_flush():
+    """Megatron-DeepSpeed's pipeline engine: p2p.send/recv block (a stage's step waits for its two
+    transfers with a neighbour), each TP rank sends 1/t of a message (gathered where it arrives, as
+    Megatron's scatter-gather), and the gradients are reduced after the flush, not under the last
+    backward. The terms still sum to the step; ZeRO-2 with a pipeline is refused (DeepSpeed's
+    pipeline engine runs stages 0 and 1)."""
+    cfg = GPTConfig.preset("gpt2-xl", n_head=24, d_model=1536)
+    two = Cluster.preset(A100, nodes=2)
+    par = ParallelConfig(dp=2, tp=2, pp=4, precision="bf16")
+    ours, megatron, ds = (estimate(cfg, par, two, 64, 1, overlap=o)
+                          for o in ("minipar", "production", "deepspeed"))
+    for e in (ours, megatron, ds):
+        assert sum(e.breakdown.values()) == pytest.approx(e.step_time)
+        assert all(v >= 0 for v in e.breakdown.values())
+    assert megatron.breakdown["pp_p2p"] < ours.breakdown["pp_p2p"]   # 1/t of each message
+    assert ds.breakdown["pp_p2p"] > megatron.breakdown["pp_p2p"]     # blocking, same bytes
+    assert ds.breakdown["dp_comm"] > ours.breakdown["dp_comm"]       # nothing under the backward
+    assert ds.step_time > megatron.step_time
+    assert "deepspeed's overlaps" in repr(ds)
+    with pytest.raises(ValueError, match="DeepSpeed's pipeline engine runs ZeRO stage 0 or 1"):
+        estimate(cfg, par.replace(zero=2), two, 64, 1, overlap="deepspeed")
+    alone = ParallelConfig(dp=16, zero=2, precision="bf16")  # its ZeRO engine overlaps (overlap_comm)
+    assert estimate(cfg, alone, two, 64, 1, overlap="deepspeed").breakdown["dp_comm"] == \
+        pytest.approx(estimate(cfg, alone, two, 64, 1).breakdown["dp_comm"])
 
 
 def test_fits_keeps_the_allocators_reserve_and_counts_the_steps_transients():

@@ -31,8 +31,8 @@ half the peak):
                     overlapped, as in Megatron), + 1 for the embedding (F) and 1 for the head (B).
                     Ring: 2(t-1)/t X/bw + 2(t-1) latency
   PP                one message of X (X/t with SP: each rank sends its sequence shard) per boundary
-                    per micro-batch each way: X/bw + latency, on the
-                    slowest link the pipeline crosses
+                    per micro-batch each way: X/bw + latency, on the slowest link the pipeline
+                    crosses; how it is sent and split is the implementation's (`messages`)
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
                     the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
                     (overlapped the same way; bucketed stage 2 reduces every micro-batch, each
@@ -210,14 +210,40 @@ def _add(x: dict, y: dict) -> dict:
 # overlap test); minipar charges it on the overlapped span: hiding x seconds of communication under
 # compute costs (SLOWDOWN - 1) x.
 SLOWDOWN = 1.3
-# Which of the DP/ZeRO collectives each implementation overlaps (TP's are exposed in both: minipar
-# has no TP overlap; Megatron-LM's --tp-comm-overlap and torchtitan's async TP are not modelled):
-#   grad_reduce   gradient buckets launched during backward (minipar's GradBuckets, DDP, Megatron's
-#                 --overlap-grad-reduce); ZeRO-3's gathers prefetched (minipar's Zero3, FSDP2)
-#   param_gather  ZeRO-1/2's all-gather of the updated weights under the next forward (Megatron's
-#                 distributed optimizer with --overlap-param-gather); minipar waits for it
-OVERLAPS = {"minipar": frozenset({"grad_reduce"}),
-            "production": frozenset({"grad_reduce", "param_gather"})}
+# What each implementation overlaps and how it sends pipeline messages (TP's collectives are exposed
+# in all three: Megatron-LM's --tp-comm-overlap and torchtitan's async TP are not modelled):
+#   grad_reduce     gradient buckets launched during the last backward (minipar's GradBuckets, DDP,
+#                   Megatron's --overlap-grad-reduce, DeepSpeed ZeRO's overlap_comm); ZeRO-3's
+#                   gathers are prefetched in all three (minipar's Zero3, FSDP, DeepSpeed ZeRO-3)
+#   grad_reduce_pp  the same with a pipeline; DeepSpeed's pipeline engine instead reduces after the
+#                   flush (its TrainSchedule issues ReduceGrads after the last step)
+#   param_gather    ZeRO-1/2's all-gather of the updated weights under the next forward (Megatron's
+#                   distributed optimizer with --overlap-param-gather); minipar and DeepSpeed wait
+#   p2p_async       pipeline messages travel while both sides compute (isend/irecv: minipar's and
+#                   Megatron's runtimes); DeepSpeed's p2p.send/recv block: a stage's step waits for
+#                   its two transfers with one neighbour (receive, then send back) before computing
+#   p2p_split       without SP each TP rank sends 1/t of a message and the receiver all-gathers it
+#                   over the TP link (Megatron's scatter-gather, Narayanan et al. 2021 sec. 4.1;
+#                   DeepSpeed's partitioned pipe buffers); minipar's TP ranks each send all of it
+OVERLAPS = {"minipar": frozenset({"grad_reduce", "grad_reduce_pp", "p2p_async"}),
+            "production": frozenset({"grad_reduce", "grad_reduce_pp", "param_gather",
+                                     "p2p_async", "p2p_split"}),
+            "deepspeed": frozenset({"grad_reduce", "p2p_split"})}
+WHOSE = {"minipar": "minipar's code", "production": "Megatron-LM's",
+         "deepspeed": "Megatron-DeepSpeed's pipeline engine"}
+
+
+def messages(cfg, par, w: Work, link: Link, overlap: str) -> tuple[float, float]:
+    """(a pipeline message's seconds between the ops, what each F and B of a chunk adds to its own
+    time for each neighbour it exchanges with): per boundary, micro-batch and direction one message
+    on `link`; a split one is all-gathered where it arrives; blocking ones (no p2p_async) put both
+    transfers with that neighbour inside the op, and nothing between the ops."""
+    has = OVERLAPS[overlap]
+    x = w.b * cfg.seq_len * cfg.d_model * w.e
+    split = w.t > 1 and not w.sp and "p2p_split" in has
+    one = p2p(x / (w.t if w.sp or split else 1), link)
+    arrive = gather_or_scatter(x, w.t, w.tp_link) if split else 0.0
+    return (one, arrive) if "p2p_async" in has else (0.0, arrive + 2 * one)
 
 
 def exposed(comm: float, window: float) -> float:
@@ -235,16 +261,19 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
     if n == 1:
         return 0.0
     g = per["grads"]  # fp32 gradients under mixed precision unless reduce_fp32=False
+    overlapped = ("grad_reduce_pp" if par.pp > 1 else "grad_reduce") in OVERLAPS[overlap]
     if par.zero == 0:
         total = all_reduce(g * psi, n, link)
-        return total if par.dp_mode == "naive" else _overlap(total, g * psi, par.bucket_mb, window)
+        if par.dp_mode == "naive" or not overlapped:
+            return total
+        return _overlap(total, g * psi, par.bucket_mb, window)
     rs = gather_or_scatter(g * psi, n, link)
     ag = gather_or_scatter(per["params"] * psi, n, link)
     if par.zero == 3:  # per micro-batch 2 all-gathers and a reduce-scatter, prefetched
         return par.microbatches * exposed(2 * ag + rs, compute_mb) + ag / max(units, 1)
     if "param_gather" in OVERLAPS[overlap]:  # the new weights gathered under the next forward
         ag = exposed(ag, forward_mb)
-    if par.dp_mode == "naive":  # one flat reduce-scatter after backward
+    if par.dp_mode == "naive" or not overlapped:  # one reduce-scatter after backward
         return rs + ag
     # buckets under the last backward; bucketed ZeRO-2 reduces every micro-batch, the ones before
     # the last hidden under the compute that follows them

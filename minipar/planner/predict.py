@@ -57,7 +57,7 @@ from minipar.config import ParallelConfig
 from minipar.mesh import grid_ranks
 from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, flops_unit, memory_unit
-from minipar.planner.gpu_time import (OVERLAPS, chunk_cost, dp_time, optimizer_time, p2p,
+from minipar.planner.gpu_time import (OVERLAPS, chunk_cost, dp_time, messages, optimizer_time,
                                       work_on)
 from minipar.planner.partition import chunk_seconds, min_max
 from minipar.step_memory import predict_peak
@@ -163,8 +163,7 @@ def _validate(cfg, par, cluster, global_batch: int, micro_batch: int) -> Paralle
     if not isinstance(global_batch, int) or global_batch % (par.dp * micro_batch):
         raise ValueError(f"global_batch ({global_batch}) must divide by dp * micro_batch "
                          f"({par.dp} * {micro_batch})")
-    m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the
-                                                #   batch sizes decide it
+    m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the batches decide
     if par.world > cluster.world:
         raise ValueError(f"the layout needs dp * tp * pp = {par.world} GPUs, the cluster has "
                          f"{cluster.world}")
@@ -197,6 +196,8 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {sorted(OVERLAPS)}, got {overlap!r}")
+    if overlap == "deepspeed" and par.pp > 1 and par.zero > 1:
+        raise ValueError(f"DeepSpeed's pipeline engine runs ZeRO stage 0 or 1, not {par.zero}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
     p, chunks, dp = par.pp, par.pp * par.virtual_stages, par.dp
     replica = [grid_ranks(dp, par.tp, p, dp_rank=j) for j in range(dp)]
@@ -324,22 +325,24 @@ def _pipeline_time(par, costs: list[dict], m: int, latency: float):
     return u * with_msgs.makespan, u * free.makespan, busiest, (with_msgs, u)
 
 
-def _replica_time(cfg, est: Estimate, j: int, e: int) -> tuple:
+def _replica_time(cfg, est: Estimate, j: int) -> tuple:
     """(seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, its
-    Timeline and its time unit); `e` bytes an activation element."""
+    Timeline and its time unit)."""
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
     p, chunks = par.pp, len(est.layers)
-    costs = []
+    costs, link = [], cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp])
     for c, n in enumerate(est.layers):
-        ranks = grid_ranks(par.dp, par.tp, p, pp_rank=c % p, dp_rank=j)
-        costs.append(chunk_cost(cfg, work_on(cluster, ranks, par, b, est.attention), n, c == 0,
-                                c == chunks - 1))
-    message = b * cfg.seq_len * cfg.d_model * e / (par.tp if par.sequence_parallel else 1)
-    latency = p2p(message, cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp]))
+        w = work_on(cluster, grid_ranks(par.dp, par.tp, p, pp_rank=c % p, dp_rank=j), par, b,
+                    est.attention)
+        costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
+        latency, own = messages(cfg, par, w, link, est.overlap) if p > 1 else (0.0, 0.0)
+        costs[c]["F"]["pp_p2p"] = own * (c > 0)            # with the chunk before
+        costs[c]["B"]["pp_p2p"] = own * (c < chunks - 1)   # with the chunk after
     with_msgs, free, r, timeline = _pipeline_time(par, costs, m, latency)
     mine = [costs[c] for c in range(r, chunks, p)]
-    terms = {k: m * sum(c[op].get(k, 0.0) for c in mine for op in c) for k in TERMS[:4]}
-    terms.update(bubble=max(0.0, free - sum(terms.values())), pp_p2p=max(0.0, with_msgs - free))
+    terms = {k: m * sum(c[op].get(k, 0.0) for c in mine for op in c) for k in TERMS}
+    terms.update(bubble=max(0.0, free - sum(terms.values())),
+                 pp_p2p=terms["pp_p2p"] + max(0.0, with_msgs - free))
     return with_msgs, terms, costs, timeline
 
 
@@ -348,17 +351,17 @@ def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
     its GPUs (gpu_time.py)."""
     par, cluster, p = est.par, est.cluster, est.par.pp
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
-    e = memory.element_bytes(par.precision)
     replicas = {}
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
         key = (m, tuple(cluster.device(x).name for x in grid_ranks(par.dp, par.tp, p, dp_rank=j)))
         if key not in replicas:
-            replicas[key] = _replica_time(cfg, est, j, e)
+            replicas[key] = _replica_time(cfg, est, j)
     span, terms, costs, timeline = max(replicas.values(), key=lambda x: x[0])
     chunks, dp, opt = len(est.layers), 0.0, 0.0
     for r in range(p):
         mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
-        backward = sum(v for c in mine for op in ("B", "W") for v in costs[c][op].values())
+        backward = sum(v for c in mine for op in ("B", "W") for k, v in costs[c][op].items()
+                       if k != "pp_p2p")  # what gradient buckets hide under
         forward = sum(costs[c]["F"].get("compute", 0.0) for c in mine)
         stage = grid_ranks(par.dp, par.tp, p, pp_rank=r)
         link = cluster.link(stage[::par.tp])
@@ -387,10 +390,11 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     """Predicted memory (fullest GPU) and step time of layout `par` on `cluster` (module docstring).
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the
-    activations then hold Korthikanti's 5 a s^2 b / t bytes a layer
-    more when nothing is recomputed). overlap: "minipar" (the collectives overlap where minipar's
-    code overlaps them) or "production" (where Megatron-LM's and DeepSpeed's do:
-    gpu_time.OVERLAPS); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed
-    from minipar's own measured layers, whatever `overlap` says."""
+    activations then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is
+    recomputed). overlap: whose overlaps and pipeline messages are timed (gpu_time.OVERLAPS):
+    "minipar" (its code's), "production" (Megatron-LM's) or "deepspeed" (Megatron-DeepSpeed's
+    pipeline engine: blocking messages, gradients reduced after the flush; ZeRO 0 or 1 with a
+    pipeline); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed from
+    minipar's own measured layers, whatever `overlap` says."""
     est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention, overlap)
     return refine(cfg, time_layout(cfg, est))
