@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minipar.config import SCHEDULES, ParallelConfig, tp_sizes
+from minipar.config import SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
 from minipar.planner.predict import TERMS, Estimate, estimate, refine, split_layout, time_layout
 
@@ -54,27 +54,27 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
                schedules=SCHEDULES,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
     """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all
-    of cluster.world; tp <= gpus_per_node dividing the heads (and what else config.tp_sizes names);
-    ZeRO > 0 only with dp > 1, ZeRO-3 only without pp; tied embeddings without pp or ZeRO-3;
-    sequence parallel whenever tp > 1 (it only saves),
-    except with ZeRO-3 (config.py)."""
+    of cluster.world, tp <= gpus_per_node, ZeRO > 0 only with dp > 1, ZeRO-3 only without pp (it
+    would gather every unit again for each micro-batch), sequence parallel whenever tp > 1 (it only
+    saves) and ZeRO < 3; of those, the ones ParallelConfig.check accepts for `cfg` (the widths tp
+    must divide, tied embeddings: its rules, said once there)."""
     world = cluster.world
-    for tp in _divisors(world):
-        if tp > cluster.gpus_per_node or any(size % tp for size in tp_sizes(cfg).values()):
-            continue
-        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer
-                   and not (cfg.tie_embeddings and p > 1)):
+    for tp in (t for t in _divisors(world) if t <= cluster.gpus_per_node):
+        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer):
             dp = world // (tp * pp)
             for b in (b for b in micro_batches if global_batch % (dp * b) == 0):
                 m = global_batch // (dp * b)
                 for name, v in _schedules(pp, m, cfg.n_layer, schedules, virtual_stages):
-                    for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and (
-                            pp > 1 or cfg.tie_embeddings))):
-                        sp = tp > 1 and z != 3 and cfg.seq_len % tp == 0
-                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m,
-                                             schedule=name,
-                                             virtual_stages=v, sequence_parallel=sp,
-                                             precision=precision), b
+                    for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and pp > 1)):
+                        par = ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m,
+                                             schedule=name, virtual_stages=v,
+                                             sequence_parallel=tp > 1 and z != 3
+                                             and cfg.seq_len % tp == 0, precision=precision)
+                        try:
+                            par.check(cfg, global_batch)
+                        except ValueError:
+                            continue
+                        yield par, b
 
 
 def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), schedules=SCHEDULES,
