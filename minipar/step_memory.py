@@ -18,7 +18,9 @@ gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zer
 free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
-reduction to zero_grad. Covered: tp = pp = 1, no recomputation; else NotImplementedError.
+reduction to zero_grad. Covered: tp = pp = 1, no recomputation; without ZeRO, any layout
+(`zero0_peak`: TP, SP, pipelines and recomputation keep the same two moments); else
+NotImplementedError.
 """
 from __future__ import annotations
 
@@ -31,20 +33,29 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
     and "phase": the moment (see the module docstring)."""
     if par.tp > 1 or par.pp > 1 or par.recompute != "none":
-        raise NotImplementedError("predict_peak covers dp alone, without recomputation")
+        raise NotImplementedError("predict_peak covers dp alone, without recomputation "
+                                  "(with ZeRO-0, any layout: zero0_peak)")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
     tally = memory.predict(cfg, par, global_batch, rank=rank)
-    tally["optimizer"] += 4 * _pieces(cfg, par, rank)  # AdamW's step counters, one a tensor
     if par.zero in (1, 2):
+        tally["optimizer"] += 4 * _pieces(cfg, par, rank)  # AdamW's step counters, one a tensor
         return _buckets_peak(cfg, par, global_batch, rank, tally)
+    return zero0_peak(tally, par, memory.chunk_params(cfg, 1, cfg.n_layer, True, True))
+
+
+def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
+    """Without ZeRO, in any layout (TP, SP, PP, recomputation: measured alike), the peak of a rank
+    whose counted memory is `tally` (memory.by_category's) and whose parameters have these `sizes`
+    (each one tensor AdamW steps, with a 4-byte step counter): the end of a forward, or the step
+    with 16-bit gradients (the module docstring's two moments)."""
+    tally = dict(tally, optimizer=tally["optimizer"] + 4 * len(sizes))
     mixed = par.precision in ("bf16", "fp16")
     if par.dp == 1 and not (mixed and par.reduce_fp32):
         tally["grads"] = 0  # no buckets: autograd's .grad come and go in backward (temporaries)
     moments = {"forward": dict(tally)}
     if mixed and not par.reduce_fp32:  # the fp32 master gradients
-        psi = memory.tp_params(cfg)
-        moments["step"] = dict(tally, activations=0, grads=tally["grads"] + 4 * psi)
+        moments["step"] = dict(tally, activations=0, grads=tally["grads"] + 4 * sum(sizes))
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     return {**moments[phase], "phase": phase}
 

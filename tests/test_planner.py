@@ -417,6 +417,36 @@ def test_fits_keeps_the_allocators_reserve_and_counts_the_steps_transients():
     assert estimate(cfg, est.par, dataclasses.replace(edge, usable=1.0), 64, 8).fits
 
 
+def test_the_peak_without_zero_is_measured_to_the_byte_in_any_layout():
+    """Without ZeRO the step's held peak (measured from tensor lifetimes) is the planner's
+    Estimate.peak to the byte in every layout: TP with and without SP, pipelines of every schedule,
+    recomputation, DP x TP, TP x PP, DP x PP, fp32 and bf16 with fp32 or 16-bit gradients; the
+    fullest rank against the fullest stage (step_memory.zero0_peak)."""
+    import workers_dp
+
+    import minipar
+    cfg, batch, h100 = GPTConfig.preset("tiny", vocab_size=98), 8, Cluster.preset("dgx-h100")
+    cases = {2: [ParallelConfig(tp=2), ParallelConfig(pp=2, microbatches=4),
+                 ParallelConfig(tp=2, sequence_parallel=True, recompute="selective"),
+                 ParallelConfig(tp=2, recompute="full", precision="bf16", reduce_fp32=False),
+                 ParallelConfig(dp=2, recompute="full", precision="bf16"),
+                 ParallelConfig(pp=2, microbatches=4, schedule="zb-h1", precision="bf16",
+                                reduce_fp32=False),
+                 ParallelConfig(pp=2, microbatches=4, schedule="interleaved-1f1b",
+                                virtual_stages=2, recompute="full")],
+             4: [ParallelConfig(dp=2, tp=2, precision="bf16", microbatches=2),
+                 ParallelConfig(tp=2, pp=2, microbatches=4, sequence_parallel=True),
+                 ParallelConfig(dp=2, pp=2, microbatches=2, precision="bf16", reduce_fp32=False,
+                                recompute="selective")]}
+    for world, pars in cases.items():
+        ranks = minipar.launch(workers_dp.train_variants, world, cfg, pars, 2, batch, timeout=300)
+        for i, par in enumerate(pars):
+            want = estimate(cfg, par, h100, batch, batch // (par.dp * par.microbatches)).peak
+            want = {k: v for k, v in want.items() if k != "phase"}
+            held = [{k: ranks[r][i].step_memory["held"][k] for k in want} for r in range(world)]
+            assert max(held, key=lambda x: sum(x.values())) == want, par.label
+
+
 def test_a_small_machine_is_shown_in_units_that_say_something():
     """On this machine's scale format_table printed "0" TFLOP/s and "0.0" GiB in every row and the
     per-stage plot drew MiB-sized bars on a GiB axis: a CPU does GFLOP/s and a tiny model needs MiB."""

@@ -2,8 +2,8 @@
 layouts (`plan`).
 
     step      = makespan of the pipeline schedule, simulated by `pipeline.simulate` with each
-                chunk's F, B, W costs (gpu_time.py) and each message's p2p time
-                + exposed DP/ZeRO time + optimizer
+                chunk's F, B, W costs (gpu_time.py) and its messages (gpu_time.messages: between
+                the ops, or in them where they block) + exposed DP/ZeRO time + optimizer
     breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy
                 time) + bubble (makespan with free messages - busy) + pp_p2p (what the messages
                 add) + dp_comm + optimizer; the terms sum to the step time
@@ -33,10 +33,6 @@ step time); `plan` runs the second only on layouts that fit. `time_layout` is th
 chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
 gpu_time.py.
 
-Checked against Korthikanti et al. 2022 Table 5 (A100s, t = 8, SP; one matmul ceiling, 0.77, from
-the SP row of their Table 4): every row within 10% (tests/test_planner.py; the figures in the
-README and docs/references.md).
-
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
 The chunks' layers are the split whose slowest chunk is fastest (partition.min_max, dynamic
@@ -60,7 +56,7 @@ from minipar.planner.cluster import Cluster, flops_unit, memory_unit
 from minipar.planner.gpu_time import (OVERLAPS, chunk_cost, dp_time, messages, optimizer_time,
                                       work_on)
 from minipar.planner.partition import chunk_seconds, min_max
-from minipar.step_memory import predict_peak
+from minipar.step_memory import predict_peak, zero0_peak
 
 TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
          "optimizer")
@@ -206,8 +202,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
     rates = [cluster.rate(ranks, par.precision) for ranks in replica]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
     est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention, overlap)
-    for _ in range(cfg.n_layer if cluster.groups else 0):  # heterogeneous: move layers
-                                                           #   out of full stages
+    for _ in range(cfg.n_layer if cluster.groups else 0):  # mixed: layers out of full stages
         free = [c - sum(m.values()) for c, m in zip(capacities(cluster, par), est.stages)]
         worst, best = free.index(min(free)), free.index(max(free))
         donor = next((c for c in range(worst, chunks, p) if layers[c] > 1), None)
@@ -249,17 +244,22 @@ def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares
                     tuple(layers), tuple(shares), mem,
                     model_flops=global_batch * cfg.seq_len * cfg.flops_per_token,
                     attention=attention, overlap=overlap,
-                    peak=_step_peak(cfg, par, cluster, micro_batch, attention))
+                    peak=_step_peak(cfg, par, cluster, micro_batch, attention, layers,
+                                    fullest, mem[fullest]))
 
 
-def _step_peak(cfg, par, cluster, b: int, attention: str) -> dict | None:
-    """The step's peak with its transients (step_memory.predict_peak) where it is predicted: data
-    parallelism and ZeRO alone (tp = pp = 1, no recomputation, fused attention, one GPU kind);
-    None elsewhere. After its first micro-batches a step repeats itself (ZeRO-1 accumulates until
-    the last, ZeRO-2 and 3 reduce each the same way once their shards exist), so three of them
-    give the peak of any number: the walk then costs the same for m = 3 and m = 512."""
-    if par.tp > 1 or par.pp > 1 or par.recompute != "none" or attention != "flash" or \
-            cluster.groups:
+def _step_peak(cfg, par, cluster, b: int, attention: str, layers, r: int, tally) -> dict | None:
+    """The step's peak with its transients, of pipeline rank r (counted: `tally`), where predicted
+    (fused attention, one GPU kind): without ZeRO in any layout (step_memory.zero0_peak); ZeRO
+    alone (tp = pp = 1, no recomputation: predict_peak); None elsewhere. A step repeats itself
+    after its first micro-batches (ZeRO-1 accumulates until the last, ZeRO-2 and 3 reduce each
+    the same way once their shards exist): three give the peak of any number, m = 3 or 512."""
+    if attention != "flash" or cluster.groups:
+        return None
+    if par.zero == 0:
+        return zero0_peak(tally, par, memory.rank_units(cfg, par.tp, list(layers), par.pp, r,
+                                                        of=memory.chunk_params))
+    if par.tp > 1 or par.pp > 1 or par.recompute != "none":
         return None
     m = min(par.microbatches, 3)
     return predict_peak(cfg, par.replace(microbatches=m), par.dp * m * b)
