@@ -274,8 +274,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
     p.add_argument("--overlap", default="minipar", choices=sorted(WHOSE),
-                   help="whose overlaps and pipeline messages to time: "
-                        + ", ".join(f"{k} ({v})" for k, v in WHOSE.items()))
+                   help="whose overlaps and pipeline messages to time: minipar's code, "
+                        "Megatron-LM's (production) or DeepSpeed's (Megatron-DeepSpeed's)")
     p.add_argument("--global-batch", type=int, default=512, help="sequences a step")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -290,7 +290,7 @@ def run_plan(args) -> None:
     print(f"model {name}: {cfg.num_params / 1e6:,.1f} M parameters | {cluster.world} GPUs "
           f"({args.cluster} x {args.nodes}; {cluster.usable:.0%} of each GPU's "
           f"{cluster.memory_per_gpu / 2**30:.0f} GiB usable) | global batch {args.global_batch} | "
-          f"{args.overlap}'s overlaps")
+          f"{WHOSE[args.overlap]} overlaps")
     try:
         ranked = plan(cfg, cluster, args.global_batch, precision=args.precision,
                       overlap=args.overlap)

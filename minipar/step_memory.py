@@ -18,9 +18,10 @@ gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zer
 free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
-reduction to zero_grad. Covered: tp = pp = 1, no recomputation; without ZeRO, any layout
-(`zero0_peak`: TP, SP, pipelines and recomputation keep the same two moments); else
-NotImplementedError.
+reduction to zero_grad. Covered: tp = pp = 1 (ZeRO-1/2 with selective recomputation too: its
+fused core saves what the core would; not full recomputation, whose re-run forwards are not
+walked; ZeRO-3 without); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines and
+recomputation keep the same two moments); else NotImplementedError.
 """
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ from minipar.data_parallel import split
 def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
     and "phase": the moment (see the module docstring)."""
-    if par.tp > 1 or par.pp > 1 or par.recompute != "none":
-        raise NotImplementedError("predict_peak covers dp alone, without recomputation "
-                                  "(with ZeRO-0, any layout: zero0_peak)")
+    if par.tp > 1 or par.pp > 1 or (par.zero and par.recompute == "full") or \
+            (par.zero == 3 and par.recompute != "none"):
+        raise NotImplementedError("predict_peak covers dp alone: ZeRO-1/2 with selective or "
+                                  "no recomputation, ZeRO-3 with none (ZeRO-0: zero0_peak)")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
     tally = memory.predict(cfg, par, global_batch, rank=rank)
@@ -177,7 +179,8 @@ def _backward_events(cfg, b: int, e: int) -> list[tuple[int, list[int]]]:
     """Backward as autograd runs it, node by node: (activation bytes the node frees, the indices in
     chunk_params' order of the parameters whose gradients arrive after it, last first). A node frees
     what it saved as it ends, before the gradients it made reach their parameters. A tied head's
-    weight is the embedding's: its gradient arrives with the embedding's, last."""
+    weight is the embedding's: its gradient arrives with the embedding's, last. (Selective
+    recomputation of the fused core saves what the core itself would: the same events.)"""
     s, h, V, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer
     x, st, per = s * b * h * e, 2 * s * b * e, len(memory.block_params(cfg))
     top = 2 + per * L  # ln_f's weight

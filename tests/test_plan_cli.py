@@ -12,7 +12,7 @@ def test_plan_prints_a_ranked_table_with_reasons(capsys):
     assert "minipar's overlaps" in out
     main(["plan", "--model", "gpt2-xl", "--cluster", "dgx-h100", "--global-batch", "64", "--top", "3",
           "--overlap", "production"])
-    assert "production's overlaps" in capsys.readouterr()[0]
+    assert "Megatron-LM's overlaps" in capsys.readouterr()[0]
 
 
 def test_a_plan_nothing_satisfies_says_what_would(capsys):

@@ -38,7 +38,8 @@ half the peak):
                     (overlapped the same way; bucketed stage 2 reduces every micro-batch, each
                     but the last hidden under a micro-batch's compute) + all-gather of the updated
                     parameters after the step (exposed in minipar; "production": under the next
-                    forward); stage 3: per micro-batch 2 all-gathers + 1 reduce-scatter,
+                    forward; "deepspeed": nothing under backward, with or without a pipeline, as
+                    its defaults run); stage 3: per micro-batch 2 all-gathers + 1 reduce-scatter,
                     prefetched under that micro-batch's compute. What overlaps sticks out where
                     longer than its window and slows the compute under it by SLOWDOWN (`exposed`)
   optimizer         Adam is memory-bound: g + 2 (p + k) bytes a parameter the rank updates, at HBM
@@ -213,24 +214,26 @@ SLOWDOWN = 1.3
 # What each implementation overlaps and how it sends pipeline messages (TP's collectives are exposed
 # in all three: Megatron-LM's --tp-comm-overlap and torchtitan's async TP are not modelled):
 #   grad_reduce     gradient buckets launched during the last backward (minipar's GradBuckets, DDP,
-#                   Megatron's --overlap-grad-reduce, DeepSpeed ZeRO's overlap_comm); ZeRO-3's
-#                   gathers are prefetched in all three (minipar's Zero3, FSDP, DeepSpeed ZeRO-3)
-#   grad_reduce_pp  the same with a pipeline; DeepSpeed's pipeline engine instead reduces after the
-#                   flush (its TrainSchedule issues ReduceGrads after the last step)
+#                   Megatron's --overlap-grad-reduce); ZeRO-3's gathers are prefetched in all three
+#                   (minipar's Zero3, FSDP, DeepSpeed ZeRO-3). DeepSpeed's engine all-reduces after
+#                   backward, and ZeRO-1/2 overlap only with overlap_comm, off by default
+#   grad_reduce_pp  the same with a pipeline; DeepSpeed's pipeline engine reduces after the flush
+#                   (its TrainSchedule issues ReduceGrads after the last step)
 #   param_gather    ZeRO-1/2's all-gather of the updated weights under the next forward (Megatron's
 #                   distributed optimizer with --overlap-param-gather); minipar and DeepSpeed wait
 #   p2p_async       pipeline messages travel while both sides compute (isend/irecv: minipar's and
 #                   Megatron's runtimes); DeepSpeed's p2p.send/recv block: a stage's step waits for
-#                   its two transfers with one neighbour (receive, then send back) before computing
+#                   its two transfers with one neighbour before computing (a forward step sends the
+#                   previous gradient and receives the activation, a backward step receives the
+#                   gradient and sends the previous activation)
 #   p2p_split       without SP each TP rank sends 1/t of a message and the receiver all-gathers it
 #                   over the TP link (Megatron's scatter-gather, Narayanan et al. 2021 sec. 4.1;
 #                   DeepSpeed's partitioned pipe buffers); minipar's TP ranks each send all of it
 OVERLAPS = {"minipar": frozenset({"grad_reduce", "grad_reduce_pp", "p2p_async"}),
             "production": frozenset({"grad_reduce", "grad_reduce_pp", "param_gather",
                                      "p2p_async", "p2p_split"}),
-            "deepspeed": frozenset({"grad_reduce", "p2p_split"})}
-WHOSE = {"minipar": "minipar's code", "production": "Megatron-LM's",
-         "deepspeed": "Megatron-DeepSpeed's pipeline engine"}
+            "deepspeed": frozenset({"p2p_split"})}
+WHOSE = {"minipar": "minipar's", "production": "Megatron-LM's", "deepspeed": "DeepSpeed's"}
 
 
 def messages(cfg, par, w: Work, link: Link, overlap: str) -> tuple[float, float]:
@@ -273,8 +276,10 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
         return par.microbatches * exposed(2 * ag + rs, compute_mb) + ag / max(units, 1)
     if "param_gather" in OVERLAPS[overlap]:  # the new weights gathered under the next forward
         ag = exposed(ag, forward_mb)
-    if par.dp_mode == "naive" or not overlapped:  # one reduce-scatter after backward
+    if par.dp_mode == "naive":  # one flat reduce-scatter after backward
         return rs + ag
+    if not overlapped:  # each reduction waited for (bucketed ZeRO-2: every micro-batch's)
+        return par.reductions * rs + ag
     # buckets under the last backward; bucketed ZeRO-2 reduces every micro-batch, the ones before
     # the last hidden under the compute that follows them
     earlier = (par.reductions - 1) * exposed(rs, compute_mb)

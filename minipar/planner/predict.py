@@ -53,8 +53,8 @@ from minipar.config import ParallelConfig
 from minipar.mesh import grid_ranks
 from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, flops_unit, memory_unit
-from minipar.planner.gpu_time import (OVERLAPS, chunk_cost, dp_time, messages, optimizer_time,
-                                      work_on)
+from minipar.planner.gpu_time import (OVERLAPS, WHOSE, chunk_cost, dp_time, messages,
+                                      optimizer_time, work_on)
 from minipar.planner.partition import chunk_seconds, min_max
 from minipar.step_memory import predict_peak, zero0_peak
 
@@ -77,14 +77,13 @@ class Estimate:
     step_time: float = math.nan
     breakdown: dict = field(default_factory=dict)
     model_flops: float = 0.0
-    # the slowest replica's pipeline as timed (the DP and optimizer time after it left out), kept as
-    # simulated: a Timeline in units of `time_unit` seconds, shared with every layout of the same
-    # proportions (`_simulate`); on a CPU cluster cpu_time's replay with the cores shared
+    # the slowest replica's pipeline as simulated (no DP or optimizer time), in `time_unit` seconds,
+    # shared by layouts of the same proportions (`_simulate`); on a CPU, cpu_time's shared replay
     simulated: pipeline.Timeline | None = field(default=None, repr=False)
     time_unit: float = 1.0
     attention: str = "flash"           # "flash" (fused SDPA) or "materialized" (Megatron 2022)
     overlap: str = "minipar"           # whose overlaps are timed: gpu_time.OVERLAPS
-    peak: dict | None = None           # the step's peak with its transients (`_step_peak`)
+    peak: dict | None = None           # the step's peak with its transients (`_step_peaks`)
 
     @functools.cached_property
     def timeline(self) -> pipeline.Timeline:
@@ -101,9 +100,7 @@ class Estimate:
     def peak_memory(self) -> float:
         """The most the fullest GPU holds in a step: the peak with its transients where predicted
         (`peak`), else `total_memory` (model states and buffers, the activations at their most)."""
-        if self.peak is None:
-            return self.total_memory
-        return max(self.total_memory, sum(v for k, v in self.peak.items() if k != "phase"))
+        return _most(self.memory, self.peak)
 
     @property
     def fits(self) -> bool:
@@ -120,8 +117,7 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        peak_per_gpu = self.cluster.peak_total / self.cluster.world
-        return self.model_flops / self.step_time / (self.par.world * peak_per_gpu)
+        return self.flops_per_gpu / (self.cluster.peak_total / self.cluster.world)
 
     @property
     def label(self) -> str:
@@ -136,7 +132,7 @@ class Estimate:
         mem, mname = memory_unit(self.peak_memory)
         return (f"Estimate({self.label}: {self.step_time:.4g} s, {self.flops_per_gpu / flops:.3g} "
                 f"{fname}, MFU {self.mfu:.1%}, {self.peak_memory / mem:.1f} {mname}; "
-                f"{self.overlap}'s overlaps)")
+                f"{WHOSE[self.overlap]} overlaps)")
 
 
 def _proportional(total: int, weights: list[float], unit: int = 1) -> list[int]:
@@ -192,8 +188,9 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {sorted(OVERLAPS)}, got {overlap!r}")
-    if overlap == "deepspeed" and par.pp > 1 and par.zero > 1:
-        raise ValueError(f"DeepSpeed's pipeline engine runs ZeRO stage 0 or 1, not {par.zero}")
+    if overlap == "deepspeed" and par.pp > 1 and (par.zero > 1 or par.schedule != "1f1b"):
+        raise ValueError(f"DeepSpeed's pipeline engine runs 1F1B with ZeRO 0 or 1, not "
+                         f"{par.schedule} with ZeRO {par.zero}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
     p, chunks, dp = par.pp, par.pp * par.virtual_stages, par.dp
     replica = [grid_ranks(dp, par.tp, p, dp_rank=j) for j in range(dp)]
@@ -231,38 +228,42 @@ def capacities(cluster, par) -> list[float]:
 
 def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
           attention: str = "flash", overlap: str = "minipar") -> Estimate:
-    """The Estimate, untimed, of `par` (validated: `split_layout`'s) with these layers per chunk
-    and micro-batches per replica: its memory sized on every stage, the fullest (relative to its
-    capacity) as `memory`. `time_layout` times it: any split, e.g. lesson 07's uniform one."""
+    """The Estimate, untimed, of `par` (validated: `split_layout`'s) with these layers per chunk and
+    micro-batches per replica: memory sized on every stage, the fullest at its peak (relative to
+    its capacity) as `memory`. `time_layout` times any split, e.g. lesson 07's uniform one."""
     sizing = (attention == "materialized", memory.layout_bytes(par.precision, par.reduce_fp32),
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, par.pp, max(shares), par.virtual_stages))
     mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing), \
         capacities(cluster, par)
-    fullest = max(range(par.pp), key=lambda r: sum(mem[r].values()) / capacity[r])
+    peaks = _step_peaks(cfg, par, cluster, micro_batch, attention, layers, mem)
+    fullest = max(range(par.pp), key=lambda r: _most(mem[r], peaks and peaks[r]) / capacity[r])
     return Estimate(cfg, par, cluster, global_batch, micro_batch, mem[fullest], capacity[fullest],
                     tuple(layers), tuple(shares), mem,
                     model_flops=global_batch * cfg.seq_len * cfg.flops_per_token,
-                    attention=attention, overlap=overlap,
-                    peak=_step_peak(cfg, par, cluster, micro_batch, attention, layers,
-                                    fullest, mem[fullest]))
+                    attention=attention, overlap=overlap, peak=peaks and peaks[fullest])
 
 
-def _step_peak(cfg, par, cluster, b: int, attention: str, layers, r: int, tally) -> dict | None:
-    """The step's peak with its transients, of pipeline rank r (counted: `tally`), where predicted
+def _most(tally: dict, peak: dict | None) -> float:
+    return max(sum(tally.values()), sum(v for k, v in (peak or {}).items() if k != "phase"))
+
+
+def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list | None:
+    """The step's peak with its transients on each pipeline rank (counted: `mem`), where predicted
     (fused attention, one GPU kind): without ZeRO in any layout (step_memory.zero0_peak); ZeRO
-    alone (tp = pp = 1, no recomputation: predict_peak); None elsewhere. A step repeats itself
-    after its first micro-batches (ZeRO-1 accumulates until the last, ZeRO-2 and 3 reduce each
-    the same way once their shards exist): three give the peak of any number, m = 3 or 512."""
+    alone as predict_peak covers it; else None. A step repeats itself after three micro-batches
+    (ZeRO-1 accumulates to the last, 2 and 3 reduce each alike): m = 3 stands for any m."""
     if attention != "flash" or cluster.groups:
         return None
     if par.zero == 0:
-        return zero0_peak(tally, par, memory.rank_units(cfg, par.tp, list(layers), par.pp, r,
-                                                        of=memory.chunk_params))
-    if par.tp > 1 or par.pp > 1 or par.recompute != "none":
+        return [zero0_peak(mem[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp, r,
+                                                          of=memory.chunk_params))
+                for r in range(par.pp)]
+    if par.tp > 1 or par.pp > 1 or par.recompute == "full" or \
+            (par.zero == 3 and par.recompute != "none"):
         return None
-    m = min(par.microbatches, 3)
-    return predict_peak(cfg, par.replace(microbatches=m), par.dp * m * b)
+    return [predict_peak(cfg, par.replace(microbatches=min(par.microbatches, 3)),
+                         par.dp * min(par.microbatches, 3) * b)]
 
 
 def refine(cfg, est: Estimate) -> Estimate:
@@ -297,8 +298,7 @@ def refine(cfg, est: Estimate) -> Estimate:
         est = best
 
 
-def _neighbours(n: int) -> list[tuple[int, int]]:
-    """(from, to) for every two neighbours of n in a row, both ways."""
+def _neighbours(n: int) -> list[tuple[int, int]]:  # (from, to), every two of n in a row, both ways
     return [(a, a + 1) for a in range(n - 1)] + [(a + 1, a) for a in range(n - 1)]
 
 
@@ -392,9 +392,9 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the
     activations then hold Korthikanti's 5 a s^2 b / t bytes a layer more when nothing is
     recomputed). overlap: whose overlaps and pipeline messages are timed (gpu_time.OVERLAPS):
-    "minipar" (its code's), "production" (Megatron-LM's) or "deepspeed" (Megatron-DeepSpeed's
-    pipeline engine: blocking messages, gradients reduced after the flush; ZeRO 0 or 1 with a
-    pipeline); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed from
+    "minipar" (its code's), "production" (Megatron-LM's) or "deepspeed" (DeepSpeed's defaults:
+    gradients reduced after backward; with a pipeline its engine's blocking messages, 1F1B and
+    ZeRO 0 or 1 only); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed from
     minipar's own measured layers, whatever `overlap` says."""
     est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention, overlap)
     return refine(cfg, time_layout(cfg, est))
