@@ -18,10 +18,9 @@ gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zer
 free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
-reduction to zero_grad. Covered: tp = pp = 1 (ZeRO-1/2 with selective recomputation too: its
-fused core saves what the core would; not full recomputation, whose re-run forwards are not
-walked; ZeRO-3 without); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines and
-recomputation keep the same two moments); else NotImplementedError.
+reduction to zero_grad. Covered: tp = pp = 1 (ZeRO-1/2 with recomputation too,
+`_backward_events`; ZeRO-3 without); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines
+and recomputation keep the same two moments); else NotImplementedError.
 """
 from __future__ import annotations
 
@@ -33,10 +32,9 @@ from minipar.data_parallel import split
 def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
     and "phase": the moment (see the module docstring)."""
-    if par.tp > 1 or par.pp > 1 or (par.zero and par.recompute == "full") or \
-            (par.zero == 3 and par.recompute != "none"):
-        raise NotImplementedError("predict_peak covers dp alone: ZeRO-1/2 with selective or "
-                                  "no recomputation, ZeRO-3 with none (ZeRO-0: zero0_peak)")
+    if par.tp > 1 or par.pp > 1 or (par.zero == 3 and par.recompute != "none"):
+        raise NotImplementedError("predict_peak covers dp alone, ZeRO-3 without recomputation "
+                                  "(ZeRO-0 in any layout: zero0_peak)")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
     tally = memory.predict(cfg, par, global_batch, rank=rank)
@@ -175,19 +173,25 @@ def _in_shard(sizes: list[int], n: int, rank: int) -> int:
     return count
 
 
-def _backward_events(cfg, b: int, e: int) -> list[tuple[int, list[int]]]:
+def _backward_events(cfg, b: int, e: int, recompute: str = "none") -> list[tuple[int, list[int]]]:
     """Backward as autograd runs it, node by node: (activation bytes the node frees, the indices in
     chunk_params' order of the parameters whose gradients arrive after it, last first). A node frees
     what it saved as it ends, before the gradients it made reach their parameters. A tied head's
-    weight is the embedding's: its gradient arrives with the embedding's, last. (Selective
-    recomputation of the fused core saves what the core itself would: the same events.)"""
+    weight is the embedding's: its gradient arrives with the embedding's, last. Selective
+    recomputation of the fused core saves what the core itself would: the same events. Full
+    recomputation keeps only a block's input, freed by its last node (ln1); what its re-run
+    forward saves lives inside the block's backward, among autograd's temporaries (the tracker's
+    count, as measured)."""
     s, h, V, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer
     x, st, per = s * b * h * e, 2 * s * b * e, len(memory.block_params(cfg))
     top = 2 + per * L  # ln_f's weight
     events = [(4 * s * b * V + 4 + 8 * s * b, []),  # the loss
               (x, [] if cfg.tie_embeddings else [top + 3, top + 2]), (x + st, [top + 1, top])]
     for k in reversed(range(L)):  # the head, ln_f, the blocks
-        events += _block_events(cfg, b, e, 2 + per * k)
+        block = _block_events(cfg, b, e, 2 + per * k)
+        if recompute == "full":  # only its input was kept, freed by its last node (ln1)
+            block = [(0, params) for _, params in block[:-1]] + [(x, block[-1][1])]
+        events += block
     return events + [(8 * s, [1]), (8 * s * b, [0])]
 
 
@@ -261,7 +265,8 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
     for micro in range(m):
         live["act"] = tally["activations"]
         check("forward")
-        for freed, params in _backward_events(cfg, b, memory.element_bytes(par.precision)):
+        for freed, params in _backward_events(cfg, b, memory.element_bytes(par.precision),
+                                              par.recompute):
             live["act"] -= freed
             for i in params:
                 k = bucket_of[i]
