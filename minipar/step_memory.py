@@ -18,9 +18,9 @@ gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zer
 free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
-reduction to zero_grad. Covered: tp = pp = 1 (ZeRO-1/2 with recomputation too,
-`_backward_events`; ZeRO-3 without); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines
-and recomputation keep the same two moments); else NotImplementedError.
+reduction to zero_grad. Covered: tp = pp = 1, with or without recomputation (what each block
+keeps: `_backward_events`); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines and
+recomputation keep the same two moments); else NotImplementedError.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from minipar.data_parallel import split
 def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
     and "phase": the moment (see the module docstring)."""
-    if par.tp > 1 or par.pp > 1 or (par.zero == 3 and par.recompute != "none"):
-        raise NotImplementedError("predict_peak covers dp alone, ZeRO-3 without recomputation "
-                                  "(ZeRO-0 in any layout: zero0_peak)")
+    if par.tp > 1 or par.pp > 1:
+        raise NotImplementedError("predict_peak covers dp alone (ZeRO-0 in any layout: "
+                                  "zero0_peak)")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
     tally = memory.predict(cfg, par, global_batch, rank=rank)
@@ -107,7 +107,8 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     e = memory.element_bytes(par.precision)
     x, st = s * b * h * e, 2 * s * b * e
-    layer = sum(freed for freed, _ in _block_events(cfg, b, e, 0))
+    layer = x if par.recompute == "full" else \
+        sum(freed for freed, _ in _block_events(cfg, b, e, 0, par.recompute))
     saved = [8 * s * b, 8 * s] + [layer] * cfg.n_layer + [x + st, x]
     loss, u = 4 * s * b * V + 4 + 8 * s * b, len(sizes)
     live = {"gathered": set(), "pending": [], "shards": set(), "scratch": 0, "act": 0}
@@ -188,18 +189,18 @@ def _backward_events(cfg, b: int, e: int, recompute: str = "none") -> list[tuple
     events = [(4 * s * b * V + 4 + 8 * s * b, []),  # the loss
               (x, [] if cfg.tie_embeddings else [top + 3, top + 2]), (x + st, [top + 1, top])]
     for k in reversed(range(L)):  # the head, ln_f, the blocks
-        block = _block_events(cfg, b, e, 2 + per * k)
+        block = _block_events(cfg, b, e, 2 + per * k, recompute)
         if recompute == "full":  # only its input was kept, freed by its last node (ln1)
             block = [(0, params) for _, params in block[:-1]] + [(x, block[-1][1])]
         events += block
     return events + [(8 * s, [1]), (8 * s * b, [0])]
 
 
-def _block_events(cfg, b: int, e: int, o: int) -> list[tuple[int, list[int]]]:
+def _block_events(cfg, b: int, e: int, o: int, recompute: str = "none") -> list[tuple]:
     """`_backward_events` of the block whose first parameter is the o-th: the MLP's nodes (GELU:
     proj, the GELU, fc; SwiGLU: proj, the product, fc, the SiLU, the gate), ln2, the attention's
     (proj, the core, v, k, q) and ln1. ln2's output goes with the last linear that saved it (fc, or
-    the gate), ln1's with q."""
+    the gate), ln1's with q. The core saves its fp32 log-sum-exp unless recomputed (selective)."""
     s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
     x, st = s * b * h * e, 2 * s * b * e
     kv, f = s * b * cfg.kv_dim * e, s * b * cfg.ffn_dim * e  # a key (value), an MLP activation
@@ -207,7 +208,8 @@ def _block_events(cfg, b: int, e: int, o: int) -> list[tuple[int, list[int]]]:
         mlp = [(f, [o + 13]), (2 * f, []), (0, [o + 12]), (f, []), (x, [o + 11])]
     else:
         mlp = [(f, [o + 14, o + 13]), (f, []), (x, [o + 12, o + 11])]
-    return mlp + [(x + st, [o + 10, o + 9]), (x, [o + 8, o + 7]), (x + 2 * kv + 4 * a * s * b, []),
+    lse = 0 if recompute == "selective" else 4 * a * s * b
+    return mlp + [(x + st, [o + 10, o + 9]), (x, [o + 8, o + 7]), (x + 2 * kv + lse, []),
                   (0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2]), (x + st, [o + 1, o])]
 
 

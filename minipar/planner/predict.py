@@ -259,7 +259,7 @@ def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list 
         return [zero0_peak(mem[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp, r,
                                                           of=memory.chunk_params))
                 for r in range(par.pp)]
-    if par.tp > 1 or par.pp > 1 or (par.zero == 3 and par.recompute != "none"):
+    if par.tp > 1 or par.pp > 1:
         return None
     return [predict_peak(cfg, par.replace(microbatches=min(par.microbatches, 3)),
                          par.dp * min(par.microbatches, 3) * b)]
