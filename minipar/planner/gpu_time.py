@@ -276,10 +276,8 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
         return par.microbatches * exposed(2 * ag + rs, compute_mb) + ag / max(units, 1)
     if "param_gather" in OVERLAPS[overlap]:  # the new weights gathered under the next forward
         ag = exposed(ag, forward_mb)
-    if par.dp_mode == "naive":  # one flat reduce-scatter after backward
-        return rs + ag
-    if not overlapped:  # each reduction waited for (bucketed ZeRO-2: every micro-batch's)
-        return par.reductions * rs + ag
+    if par.dp_mode == "naive" or not overlapped:  # each reduction waited for: one flat after
+        return par.reductions * rs + ag                 #   backward, or bucketed ZeRO-2's each
     # buckets under the last backward; bucketed ZeRO-2 reduces every micro-batch, the ones before
     # the last hidden under the compute that follows them
     earlier = (par.reductions - 1) * exposed(rs, compute_mb)

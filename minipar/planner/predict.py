@@ -259,10 +259,9 @@ def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list 
         return [zero0_peak(mem[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp, r,
                                                           of=memory.chunk_params))
                 for r in range(par.pp)]
-    if par.tp > 1 or par.pp > 1:
-        return None
-    return [predict_peak(cfg, par.replace(microbatches=min(par.microbatches, 3)),
-                         par.dp * min(par.microbatches, 3) * b)]
+    m = min(par.microbatches, 3)
+    return None if par.tp > 1 or par.pp > 1 else \
+        [predict_peak(cfg, par.replace(microbatches=m), par.dp * m * b)]
 
 
 def refine(cfg, est: Estimate) -> Estimate:
