@@ -7,10 +7,12 @@ its makespan + dp_comm + optimizer is the step time).
     breakdown(estimates)   step times cut into the planner's terms (planner.TERMS), a bar each
     ratios(rows)           predicted / published for several runs, with a band (e.g. our 10%)
     splits(estimates)      layers per pipeline chunk and micro-batches per DP replica, by GPU kind
+    matmul_fit(fits)       a matmul fit's predicted against measured seconds, shape by shape
 """
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 from matplotlib.figure import Figure
 
 from minipar import planner
@@ -137,4 +139,21 @@ def splits(estimates: dict, title: str = "how the work is split") -> Figure:
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[k]) for k in colour]
     axes[1].legend(handles, list(colour), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title)
+    return fig
+
+
+def matmul_fit(fits: dict, title: str = "matmuls on this CPU: predicted / measured") -> Figure:
+    """{label: planner.matmul_fit.MatmulFit} as predicted / measured seconds against the matmul's
+    FLOPs, a marker per shape and fit (log x), with the 1.0 line."""
+    fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
+    for i, (label, fit) in enumerate(fits.items()):
+        flops = [2 * m * n * k for (m, n, k), _ in fit.samples]
+        ax.scatter(flops, [1 + e for e in fit.errors()], s=12, color=COLOURS[i], label=label)
+    ax.axhline(1.0, color="black", lw=1)
+    ax.set(xscale="log", yscale="log", xlabel="FLOPs of the matmul", ylabel="predicted / measured")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.1f"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
     return fig

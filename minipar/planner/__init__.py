@@ -7,6 +7,7 @@ a search.
     cpu_time.py       the same for local CPU ranks, from the model's own layer timed
     calibrate.py      this machine measured: its cores, gloo links and time-sharing, as a Cluster
     layer_profile.py  the model's own layer timed on this machine
+    matmul_fit.py     gpu_time's matmul model fitted to this machine's measured matmuls
     predict.py        `estimate`: memory by category and the step time with its breakdown
     search.py         `plan` (every layout that fits, fastest first), `explain`, `format_table`,
                       `sweep` (one layout against one knob)

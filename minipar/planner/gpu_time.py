@@ -93,6 +93,9 @@ class Work:
     split: bool               # the schedule splits the backward into B and W (zb-h1)
     materialized: bool        # attention matrix written to memory (Megatron 2022) or fused (SDPA)
     sms: int = 108            # streaming multiprocessors: tiles computed at once
+    tile: int = TILE          # the output tile one of them computes at a time
+    overhead: float = 0.0     # seconds a matmul call costs besides (a CPU's dispatch; a GPU's
+                              #   launches hide behind the queue of kernels ahead of them)
 
 
 def work_on(cluster: Cluster, ranks, par, b: int, attention: str) -> Work:
@@ -105,9 +108,9 @@ def work_on(cluster: Cluster, ranks, par, b: int, attention: str) -> Work:
                 min(cluster.device(x).sms for x in ranks))
 
 
-def waves(m: int, n: int, sms: int, batch: int = 1) -> int:
-    """Waves of TILE x TILE output tiles that `batch` (m x n) outputs take on `sms` SMs."""
-    return math.ceil(batch * math.ceil(m / TILE) * math.ceil(n / TILE) / sms)
+def waves(m: int, n: int, sms: int, batch: int = 1, tile: int = TILE) -> int:
+    """Waves of tile x tile output tiles that `batch` (m x n) outputs take on `sms` SMs."""
+    return math.ceil(batch * math.ceil(m / tile) * math.ceil(n / tile) / sms)
 
 
 def ceiling_of(flops_per_s: float, size: int, cluster: Cluster) -> float:
@@ -119,13 +122,14 @@ def ceiling_of(flops_per_s: float, size: int, cluster: Cluster) -> float:
 
 def matmul(m: int, n: int, k: int, w: Work, batch: int = 1) -> float:
     """Seconds of `batch` (m x k) @ (k x n) matmuls on one GPU: a roofline of the quantized compute
-    and the bytes. The output is cut into TILE x TILE tiles, computed `sms` at a time: a wave
-    takes 2 TILE^2 k / (rate / sms) seconds, however few of its tiles are real (tile and wave
-    quantization: a 129-row matmul costs two row tiles, 109 tiles on 108 SMs two waves). The
-    bytes, e (m k + k n + m n) a matmul, at HBM speed bound it from below (arithmetic intensity:
-    a small matmul waits for memory)."""
-    compute = waves(m, n, w.sms, batch) * 2 * TILE * TILE * k / (w.rate / w.sms)
-    return max(compute, batch * w.e * (m * k + k * n + m * n) / w.hbm)
+    and the bytes. The output is cut into w.tile x w.tile tiles (TILE on GPUs), computed `sms` at a
+    time: a wave takes 2 tile^2 k / (rate / sms) seconds, however few of its tiles are real (tile
+    and wave quantization: a 129-row matmul costs two row tiles, 109 tiles on 108 SMs two waves).
+    The bytes, e (m k + k n + m n) a matmul, at HBM speed bound it from below (arithmetic
+    intensity: a small matmul waits for memory). The call's own overhead comes on top (0 on GPUs;
+    a CPU's, fitted to its measured matmuls: calibrate.fit_matmuls, with threads as its SMs)."""
+    compute = waves(m, n, w.sms, batch, w.tile) * 2 * w.tile * w.tile * k / (w.rate / w.sms)
+    return w.overhead + max(compute, batch * w.e * (m * k + k * n + m * n) / w.hbm)
 
 
 def layer_matmuls(cfg, b: int, t: int) -> list[tuple[int, int, int]]:
