@@ -281,8 +281,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     of them through backward with dp_mode "naive", at most two with "bucketed"), a unit's full
     gradients in stage 3, autograd's temporaries.
     """
-    if par.zero == 3 and (par.tp > 1 or par.pp > 1):
-        raise NotImplementedError("predict covers ZeRO-3 with dp alone")
+    if par.zero == 3 and par.pp > 1:
+        raise NotImplementedError("predict covers ZeRO-3 without pipelines")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision, par.reduce_fp32)
     layers = chunk_layers(cfg, par)
@@ -392,7 +392,7 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
 
 def predict_ranks(cfg, par, global_batch: int) -> list[dict] | None:
     """`predict` for every rank of the layout (ZeRO's shard is the rank's place in its DP group),
-    in rank order; None where the model does not cover the layout (ZeRO-3 with tp or pp)."""
+    in rank order; None where the model does not cover the layout (ZeRO-3 with pp)."""
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     try:
         return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]

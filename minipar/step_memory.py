@@ -18,9 +18,11 @@ gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zer
 free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
-reduction to zero_grad. Covered: tp = pp = 1, with or without recomputation (what each block
-keeps: `_backward_events`); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines and
-recomputation keep the same two moments); else NotImplementedError.
+reduction to zero_grad. Covered: ZeRO without pipelines, with TP or SP or neither, with or
+without recomputation (what each node keeps, and the order in which autograd finishes the
+gradients: `_backward_events`); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines and
+recomputation keep the same two moments); else NotImplementedError. A TP rank walks its own
+shards; its place in the DP group (`rank`) decides its ZeRO shards.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ from minipar.data_parallel import split
 def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
     and "phase": the moment (see the module docstring)."""
-    if par.tp > 1 or par.pp > 1:
-        raise NotImplementedError("predict_peak covers dp alone (ZeRO-0 in any layout: "
+    if par.pp > 1:
+        raise NotImplementedError("predict_peak covers dp and tp (ZeRO-0 in any layout: "
                                   "zero0_peak)")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
@@ -41,7 +43,7 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
     if par.zero in (1, 2):
         tally["optimizer"] += 4 * _pieces(cfg, par, rank)  # AdamW's step counters, one a tensor
         return _buckets_peak(cfg, par, global_batch, rank, tally)
-    return zero0_peak(tally, par, memory.chunk_params(cfg, 1, cfg.n_layer, True, True))
+    return zero0_peak(tally, par, _sizes(cfg, par))
 
 
 def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
@@ -60,10 +62,15 @@ def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
     return {**moments[phase], "phase": phase}
 
 
+def _sizes(cfg, par) -> list[int]:
+    """The parameters' sizes on one of the par.tp TP ranks, in the model's order."""
+    return memory.chunk_params(cfg, par.tp, cfg.n_layer, True, True)
+
+
 def _flats(cfg, par, g: int) -> list[list[int]]:
     """The parameters' sizes in each ZeRO-1/2 flat buffer, in its order: one buffer of all, in
     the model's order (dp_mode "naive"), or data_parallel.split's buckets, in backward's."""
-    sizes = memory.chunk_params(cfg, 1, cfg.n_layer, True, True)
+    sizes = _sizes(cfg, par)
     if par.dp_mode == "naive":
         return [sizes]
     return [[sizes[i] for i in b] for b in split(sizes, par.bucket_bytes, g)]
@@ -73,7 +80,7 @@ def _pieces(cfg, par, rank: int) -> int:
     """Tensors AdamW steps on DP rank `rank`: every parameter (its fp32 master) without ZeRO, else
     each piece of a parameter that falls in the rank's shard of a flat buffer (zero.Flat.adamw)."""
     if par.zero == 0:
-        return len(memory.chunk_params(cfg, 1, cfg.n_layer, True, True))
+        return len(_sizes(cfg, par))
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
     return sum(_in_shard(sizes, par.dp, rank) for sizes in _flats(cfg, par, g))
 
@@ -96,7 +103,7 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
     # long: one pass over the step's events, a line or two each, as zero3.Zero3 runs them
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     p, g, n = per["params"], per["grads"], par.dp
-    sizes = _unit_sizes(cfg)
+    sizes = _unit_sizes(cfg, par.tp)
     flats = [memory.flat_shard(sum(unit), n, rank) for unit in sizes]
     shards = [shard for shard, _ in flats]
     master = 4 if par.precision in ("bf16", "fp16") else 0
@@ -104,13 +111,15 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
              "optimizer": master * sum(shards) + (per["optimizer"] - master)
              * sum(o for _, o in flats) + 4 * sum(_in_shard(unit, n, rank) for unit in sizes)}
     b = par.dp_rows(global_batch)[rank] // par.microbatches
-    s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
-    e = memory.element_bytes(par.precision)
-    x, st = s * b * h * e, 2 * s * b * e
-    layer = x if par.recompute == "full" else \
-        sum(freed for freed, _ in _block_events(cfg, b, e, 0, par.recompute))
-    saved = [8 * s * b, 8 * s] + [layer] * cfg.n_layer + [x + st, x]
-    loss, u = 4 * s * b * V + 4 + 8 * s * b, len(sizes)
+    events = _backward_events(cfg, b, memory.element_bytes(par.precision), par.recompute, par.tp,
+                              par.sequence_parallel)
+    nodes = len(events[3:-2]) // cfg.n_layer  # a block's
+    # what each unit saves, in forward order: tok_emb, pos_emb, the blocks, ln_f, the head
+    # saved by the loss in forward, freed by the head's node
+    held = _loss_held(cfg, b, par.tp, memory.element_bytes(par.precision))
+    saved = [events[-1][0], events[-2][0]] + [sum(freed for freed, _ in events[3:3 + nodes])] \
+        * cfg.n_layer + [events[2][0], events[1][0] - held]
+    loss, u = events[0][0], len(sizes)
     live = {"gathered": set(), "pending": [], "shards": set(), "scratch": 0, "act": 0}
     best = {}
 
@@ -138,13 +147,13 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
             live["act"] += saved[i]
             check("forward")
             live["gathered"].discard(i)
-        live["act"] += loss
+        live["act"] += loss + held
         check("forward")
         live["act"] -= loss  # the loss's backward, before the head's output has its gradient
         for i in reversed(range(u)):  # backward
             gather(i, "backward")
             gather(i - 1, "backward")
-            live["act"] -= saved[i]
+            live["act"] -= saved[i] + (held if i == u - 1 else 0)
             live["pending"].append(i)
             ring = par.collectives == "minipar"  # (the backend's need no receive space of ours)
             live["scratch"] = live["scratch"] or ring * g * receive_numel(n * max(shards), n)
@@ -155,9 +164,9 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
     return best
 
 
-def _unit_sizes(cfg) -> list[list[int]]:
-    """The parameters' sizes of each ZeRO-3 unit, in forward order (t = 1)."""
-    sizes, per_block = memory.chunk_params(cfg, 1, cfg.n_layer, True, True), len(
+def _unit_sizes(cfg, t: int = 1) -> list[list[int]]:
+    """The parameters' sizes of each ZeRO-3 unit on one of t TP ranks, in forward order."""
+    sizes, per_block = memory.chunk_params(cfg, t, cfg.n_layer, True, True), len(
         memory.block_params(cfg))
     return [sizes[:1], sizes[1:2]] + [sizes[2 + k * per_block: 2 + (k + 1) * per_block]
                                       for k in range(cfg.n_layer)] + [sizes[-4:-2], sizes[-2:]]
@@ -174,43 +183,75 @@ def _in_shard(sizes: list[int], n: int, rank: int) -> int:
     return count
 
 
-def _backward_events(cfg, b: int, e: int, recompute: str = "none") -> list[tuple[int, list[int]]]:
-    """Backward as autograd runs it, node by node: (activation bytes the node frees, the indices in
-    chunk_params' order of the parameters whose gradients arrive after it, last first). A node frees
-    what it saved as it ends, before the gradients it made reach their parameters. A tied head's
-    weight is the embedding's: its gradient arrives with the embedding's, last. Selective
-    recomputation of the fused core saves what the core itself would: the same events. Full
-    recomputation keeps only a block's input, freed by its last node (ln1); what its re-run
-    forward saves lives inside the block's backward, among autograd's temporaries (the tracker's
-    count, as measured)."""
+def _backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
+                     sp: bool = False) -> list[tuple[int, list[int]]]:
+    """Backward as autograd runs it, node by node, on one of t TP ranks (sequence-parallel if sp):
+    (activation bytes the node frees, the indices in chunk_params' order of the parameters whose
+    gradients arrive after it, last first). A node frees what it saved as it ends, before the
+    gradients it made reach their parameters. A tied head's weight is the embedding's: its gradient
+    arrives with the embedding's, last. Selective recomputation of the fused core saves what the
+    core itself would: the same events. Full recomputation keeps only a block's input, freed by its
+    last node (ln1); what its re-run forward saves lives inside the block's backward, among
+    autograd's temporaries (the tracker's count, as measured). Under TP the vocab-parallel loss
+    keeps its fp32 log-probabilities' shard and 9 s b bytes (the local targets, int64, and their
+    mask), and the vocab-parallel embedding its local ids and mask (9 s b); TP's f and g operators
+    save nothing. The vocab-parallel loss turns its saved softmax into the logits' gradient in
+    place, so that shard lives on until the head's node (`_loss_held`). With SP the head's input is
+    the sequence shard (tensor_parallel's _GatherThenLinears gathers it again in backward)."""
     s, h, V, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer
-    x, st, per = s * b * h * e, 2 * s * b * e, len(memory.block_params(cfg))
+    x, st, per = s * b * h * e // (t if sp else 1), 2 * s * b * e // (t if sp else 1), \
+        len(memory.block_params(cfg))
     top = 2 + per * L  # ln_f's weight
-    events = [(4 * s * b * V + 4 + 8 * s * b, []),  # the loss
-              (x, [] if cfg.tie_embeddings else [top + 3, top + 2]), (x + st, [top + 1, top])]
+    held = _loss_held(cfg, b, t, e)  # the vocab-parallel loss's softmax, become the logits' gradient
+    loss, ids = (4 * s * b * V + 4 + 8 * s * b, 8 * s * b) if t == 1 else \
+        (4 * s * b * V // t + 9 * s * b - held, 9 * s * b)
+    head = [top + 2, top + 3] if sp else [top + 3, top + 2]  # (_GatherThenLinears: weight first)
+    events = [(loss, []), (x + held, [] if cfg.tie_embeddings else head),
+              (x + st, [top, top + 1])]
     for k in reversed(range(L)):  # the head, ln_f, the blocks
-        block = _block_events(cfg, b, e, 2 + per * k, recompute)
+        block = _block_events(cfg, b, e, 2 + per * k, recompute, t, sp)
         if recompute == "full":  # only its input was kept, freed by its last node (ln1)
             block = [(0, params) for _, params in block[:-1]] + [(x, block[-1][1])]
         events += block
-    return events + [(8 * s, [1]), (8 * s * b, [0])]
+    return events + [(8 * s, [1]), (ids, [0])]
 
 
-def _block_events(cfg, b: int, e: int, o: int, recompute: str = "none") -> list[tuple]:
+def _loss_held(cfg, b: int, t: int, e: int) -> int:
+    """Bytes of the loss's saved tensors that outlive its backward node: under TP its fp32 softmax
+    shard, returned in place as the logits' gradient and freed by the head's node; with 16-bit
+    logits (e = 2) the cast back to them (the loss runs in fp32) frees it first."""
+    return 0 if t == 1 or e != 4 else 4 * cfg.seq_len * b * cfg.vocab_size // t
+
+
+def _block_events(cfg, b: int, e: int, o: int, recompute: str = "none", t: int = 1,
+                  sp: bool = False) -> list[tuple]:
     """`_backward_events` of the block whose first parameter is the o-th: the MLP's nodes (GELU:
     proj, the GELU, fc; SwiGLU: proj, the product, fc, the SiLU, the gate), ln2, the attention's
     (proj, the core, v, k, q) and ln1. ln2's output goes with the last linear that saved it (fc, or
-    the gate), ln1's with q. The core saves its fp32 log-sum-exp unless recomputed (selective)."""
+    the gate), ln1's with q. The core saves its fp32 log-sum-exp unless recomputed (selective).
+    Under TP what lies between the column- and the row-parallel linears is cut t ways, the
+    LayerNorms' inputs and outputs are whole (their sequence shard with SP, where one node,
+    _GatherThenLinears, gives q, k and v, or fc and the gate, their gradients together), and a
+    row-parallel bias is added after the TP reduction: its gradient comes first, from a node of
+    its own."""
     s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
-    x, st = s * b * h * e, 2 * s * b * e
-    kv, f = s * b * cfg.kv_dim * e, s * b * cfg.ffn_dim * e  # a key (value), an MLP activation
-    if cfg.mlp == "swiglu":
-        mlp = [(f, [o + 13]), (2 * f, []), (0, [o + 12]), (f, []), (x, [o + 11])]
+    x, st = s * b * h * e // (t if sp else 1), 2 * s * b * e // (t if sp else 1)
+    kv, f = s * b * cfg.kv_dim * e // t, s * b * cfg.ffn_dim * e // t  # a key (value), an MLP act.
+    row = (lambda freed, bias, weight: [(0, [bias]), (freed, [weight])]) if t > 1 else \
+        (lambda freed, bias, weight: [(freed, [bias, weight])])  # a row-parallel linear's nodes
+    if cfg.mlp == "swiglu":  # (under TP both column-parallel matmuls run before the SiLU)
+        mlp = [(f, [o + 13]), (2 * f, [])] + (
+            [(0, [o + 12]), (f, []), (x, [o + 11])] if t == 1 else
+            [(f, []), (x, [o + 11, o + 12])] if sp else [(f, []), (0, [o + 12]), (x, [o + 11])])
     else:
-        mlp = [(f, [o + 14, o + 13]), (f, []), (x, [o + 12, o + 11])]
-    lse = 0 if recompute == "selective" else 4 * a * s * b
-    return mlp + [(x + st, [o + 10, o + 9]), (x, [o + 8, o + 7]), (x + 2 * kv + lse, []),
-                  (0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2]), (x + st, [o + 1, o])]
+        mlp = row(f, o + 14, o + 13) + [(f, []), (x, [o + 11, o + 12] if sp else [o + 12, o + 11])]
+    lse = 0 if recompute == "selective" else 4 * a * s * b // t
+    core = 2 * s * b * h * e // t + 2 * kv + lse  # q, k, v, the log-sum-exp; and its output, which
+                                                  #   proj saves too: freed with the core's node
+    qkv = [(x, [o + 2, o + 3, o + 6, o + 5, o + 4])] if sp else \
+        [(0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2])]
+    return mlp + [(x + st, [o + 9, o + 10])] + row(0, o + 8, o + 7) + \
+        [(core, [])] + qkv + [(x + st, [o, o + 1])]
 
 
 def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
@@ -225,7 +266,7 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
     is a moment to check."""
     # long: one pass over the step's events, as GradBuckets runs them
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
-    sizes, n, keep = memory.chunk_params(cfg, 1, cfg.n_layer, True, True), par.dp, par.zero == 1
+    sizes, n, keep = _sizes(cfg, par), par.dp, par.zero == 1
     groups = [list(range(len(sizes)))] if par.dp_mode == "naive" else \
         split(sizes, par.bucket_bytes, g)
     bucket_of = {i: k for k, group in enumerate(groups) for i in group}
@@ -268,7 +309,7 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
         live["act"] = tally["activations"]
         check("forward")
         for freed, params in _backward_events(cfg, b, memory.element_bytes(par.precision),
-                                              par.recompute):
+                                              par.recompute, par.tp, par.sequence_parallel):
             live["act"] -= freed
             for i in params:
                 k = bucket_of[i]

@@ -132,6 +132,73 @@ def test_the_step_peak_is_predicted_to_the_byte(dp):
     assert phases == {"forward", "backward"}  # ZeRO-2 naive, one micro-batch: at its first gradient
 
 
+def test_the_step_peak_with_tensor_parallelism_is_predicted_to_the_byte():
+    """ZeRO 1-3 with TP (dp 2 x tp 2; a vocabulary TP cuts, 111,153 parameters a TP rank: the flat
+    buffers pad): what lies between the column- and row-parallel linears is cut t ways, a
+    row-parallel bias's gradient arrives first, the vocab-parallel loss keeps its targets' shard
+    and mask and returns its fp32 softmax in place as the logits' gradient (alive until the head's
+    backward, or its cast to bf16), the embedding keeps its local ids and mask; with SP the
+    LayerNorms keep sequence shards and one node gives q, k, v (or fc) their gradients. Every DP
+    mode, fp32 and bf16 with 16-bit gradients, accumulation, each recomputation, on every rank
+    (the walk's DP rank: rank // tp). Measured at 104 such layouts, 416 rank-cases, all equal."""
+    from minipar.step_memory import predict_peak
+    cfg = GPTConfig.preset("tiny", vocab_size=98)
+    cases = [ParallelConfig(dp=2, tp=2, zero=z, sequence_parallel=sp, **kw) for z in (1, 2)
+             for sp in (False, True) for kw in (
+                 dict(microbatches=2, bucket_mb=0.1),
+                 dict(precision="bf16", reduce_fp32=False, dp_mode="naive", recompute="full"),
+                 dict(recompute="selective"))]
+    cases += [ParallelConfig(dp=2, tp=2, zero=3, **kw) for kw in (
+        dict(), dict(precision="bf16", reduce_fp32=False, recompute="selective", microbatches=2),
+        dict(recompute="full"))]
+    llama = GPTConfig.preset("llama-tiny", vocab_size=98)   # SwiGLU, grouped-query attention
+    llama_cases = [ParallelConfig(dp=2, tp=2, zero=z, sequence_parallel=sp, bucket_mb=0.02)
+                   for z, sp in ((1, False), (2, False), (2, True))] + [ParallelConfig(dp=2, tp=2, zero=3)]
+    for model, layouts in ((cfg, cases), (llama, llama_cases)):
+        ranks = minipar.launch(workers_dp.train_variants, 4, model, layouts, 2, BATCH, timeout=300)
+        for i, par in enumerate(layouts):
+            for r in range(4):
+                want = predict_peak(model, par, BATCH, rank=r // par.tp)
+                assert {c: ranks[r][i].step_memory["held"][c] for c in want} == want, (par.label, r)
+
+
+@pytest.mark.parametrize("shape", [{}, dict(mlp="swiglu", n_kv_head=2, ffn_hidden=128),
+                                   dict(tie_embeddings=True)], ids=["gpt", "llama", "tied"])
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True)], ids=["t1", "t2", "t2-sp"])
+def test_gradients_reach_their_parameters_in_the_walks_order(shape, t, sp):
+    """The step-peak walks (step_memory._backward_events) assume the order in which autograd
+    finishes each parameter's gradient, the order gradient buckets fill in: a LayerNorm's weight
+    before its bias, a linear's bias before its weight, under TP a row-parallel bias from a node of
+    its own, with SP the one node of q, k, v in autograd's own order; and what each node frees
+    before its gradients arrive. Hooks on a TP rank's model (collectives local: layer_profile's)
+    record each parameter's turn and the activations then still saved (minipar.tracker)."""
+    from minipar.planner.layer_profile import _local_tp
+    from minipar.step_memory import _backward_events
+    from minipar.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
+    from minipar.tracker import Tracker
+    cfg = GPTConfig.preset("tiny", vocab_size=98, n_layer=2, **shape)
+    torch.manual_seed(0)
+    model, loss_fn = minipar.GPT(cfg), cross_entropy
+    if t > 1:
+        tp = _local_tp(t, sp)
+        model = apply_tp(model, tp)
+        loss_fn = lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp)  # noqa: E731
+    order = []
+    with Tracker(known={"params": list(model.parameters())}) as tracker:
+        x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_len)) for _ in range(2))  # as train's
+        for i, p in enumerate(model.parameters()):  # (parameter, activations still saved)
+            p.register_post_accumulate_grad_hook(
+                lambda _, i=i: order.append((i, tracker.current["activations"])))
+        loss = loss_fn(model(x), y)
+        saved = tracker.current["activations"]
+        loss.backward()
+    walk = []
+    for freed, params in _backward_events(cfg, 2, 4, "none", t, sp):
+        saved -= freed
+        walk += [(i, saved) for i in params]
+    assert order == walk
+
+
 def test_the_step_peak_with_recomputation_is_predicted_to_the_byte():
     """ZeRO 1-3 with recomputation: selective (the fused core keeps no log-sum-exp, recomputed
     with it) and full (only each block's input kept, freed by its last node; its re-run forward's

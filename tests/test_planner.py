@@ -407,8 +407,8 @@ def test_deepspeeds_pipeline_blocks_on_its_messages_and_reduces_after_the_flush(
 
 
 def test_fits_keeps_the_allocators_reserve_and_counts_the_steps_transients():
-    """A layout fits when the step's peak with its transients (step_memory.predict_peak, for dp and
-    ZeRO alone) stays within Cluster.usable of the GPU's memory: 80%, the ZeRO paper's measured
+    """A layout fits when the step's peak with its transients (step_memory.predict_peak, for ZeRO
+    without a pipeline) stays within Cluster.usable of the GPU's memory: 80%, the ZeRO paper's measured
     share; at 100% a plan would choose layouts that run out of memory."""
     from minipar.step_memory import predict_peak
     cfg, cluster = GPTConfig.preset("gpt2-xl"), Cluster.preset(A100)
@@ -419,6 +419,11 @@ def test_fits_keeps_the_allocators_reserve_and_counts_the_steps_transients():
     edge = dataclasses.replace(cluster, memory_per_gpu=est.peak_memory / 0.9)  # 90% full
     assert not estimate(cfg, est.par, edge, 64, 8).fits
     assert estimate(cfg, est.par, dataclasses.replace(edge, usable=1.0), 64, 8).fits
+    llama = GPTConfig.preset("llama3-8b")   # ZeRO with TP and SP: its peak too
+    tp = estimate(llama, ParallelConfig(dp=2, tp=4, zero=1, sequence_parallel=True,
+                                        precision="bf16"), cluster, 16, 2)
+    assert tp.peak == predict_peak(llama, tp.par.replace(microbatches=3), 2 * 3 * 2)
+    assert tp.peak["phase"] == "forward" and tp.peak_memory > tp.total_memory
 
 
 def test_the_peak_without_zero_is_measured_to_the_byte_in_any_layout():

@@ -251,8 +251,9 @@ def _most(tally: dict, peak: dict | None) -> float:
 def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list | None:
     """The step's peak with its transients on each pipeline rank (counted: `mem`), where predicted
     (fused attention, one GPU kind): without ZeRO in any layout (step_memory.zero0_peak); ZeRO
-    alone as predict_peak covers it; else None. A step repeats itself after three micro-batches
-    (ZeRO-1 accumulates to the last, 2 and 3 reduce each alike): m = 3 stands for any m."""
+    without a pipeline, as predict_peak covers it; else None. A step repeats itself after three
+    micro-batches (ZeRO-1 accumulates to the last, 2 and 3 reduce each alike): m = 3 stands for
+    any m."""
     if attention != "flash" or cluster.groups:
         return None
     if par.zero == 0:
@@ -260,7 +261,7 @@ def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list 
                                                           of=memory.chunk_params))
                 for r in range(par.pp)]
     m = min(par.microbatches, 3)
-    return None if par.tp > 1 or par.pp > 1 else \
+    return None if par.pp > 1 else \
         [predict_peak(cfg, par.replace(microbatches=m), par.dp * m * b)]
 
 
