@@ -202,7 +202,7 @@ def _backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
     x, st, per = s * b * h * e // (t if sp else 1), 2 * s * b * e // (t if sp else 1), \
         len(memory.block_params(cfg))
     top = 2 + per * L  # ln_f's weight
-    held = _loss_held(cfg, b, t, e)  # the vocab-parallel loss's softmax, become the logits' gradient
+    held = _loss_held(cfg, b, t, e)  # the vocab-parallel loss's softmax, the logits' gradient
     loss, ids = (4 * s * b * V + 4 + 8 * s * b, 8 * s * b) if t == 1 else \
         (4 * s * b * V // t + 9 * s * b - held, 9 * s * b)
     head = [top + 2, top + 3] if sp else [top + 3, top + 2]  # (_GatherThenLinears: weight first)
