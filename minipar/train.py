@@ -257,8 +257,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     pipeline action) with the seconds it took: a hook for demonstrations
     (demos_hetero's throttle)."""
     # long: the loop reads top to bottom, one step's stages in order, each a line or two
-    par.check(cfg, global_batch)  # again on each rank: train_layouts and torchrun reach here
-                                  #   without train()'s checks (ZeRO-3 with a tied head crashes)
+    par.check(cfg, global_batch)  # train_layouts and torchrun come here without train()'s checks
     device = device or _device()
     data = data if isinstance(data, dataset.Dataset) else dataset.prepare(data)
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
