@@ -97,6 +97,15 @@ def test_a_layout_the_shape_does_not_admit_is_named(cfg, par, rule):
         par.check(cfg, BATCH)
 
 
+def test_a_worker_names_the_rule_too():
+    """train_layouts (tests, the calibration) and torchrun reach train_rank without train()'s checks:
+    it checks the layout itself, on every rank. ZeRO-3 with a tied head crashed a rank (SIGSEGV)."""
+    import workers_dp
+    with pytest.raises(minipar.WorkerError, match="two units"):
+        minipar.launch(workers_dp.train_variants, 2, SHAPES[4].replace(tie_embeddings=True),
+                       [ParallelConfig(dp=2, zero=3)], 1, BATCH, timeout=60)
+
+
 def test_the_activations_are_counted_for_each_shape():
     for cfg in (*SHAPES.values(), SHAPES[4].replace(tie_embeddings=True)):
         torch.manual_seed(0)
