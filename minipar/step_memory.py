@@ -18,32 +18,52 @@ gradient reaching its bucket or unit, as data_parallel.GradBuckets and zero3.Zer
 free. Both keep what they hold deterministic (a new buffer waits for the older ones in flight),
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
-reduction to zero_grad. Covered: ZeRO without pipelines, with TP or SP or neither, with or
-without recomputation (what each node keeps, and the order in which autograd finishes the
-gradients: `_backward_events`); without ZeRO, any layout (`zero0_peak`: TP, SP, pipelines and
-recomputation keep the same two moments); else NotImplementedError. A TP rank walks its own
-shards; its place in the DP group (`rank`) decides its ZeRO shards.
+reduction to zero_grad. Covered: ZeRO 1-3 with TP, SP and recomputation (what each node keeps,
+and the order in which autograd finishes the gradients: `_backward_events`), ZeRO-1/2 on a
+pipeline stage too (its schedule's actions walked, zb-h1 aside); without ZeRO, any layout
+(`zero0_peak`: TP, SP, pipelines and recomputation keep the same two moments); else
+NotImplementedError. A TP rank walks its own shards; its DP rank (`rank`) decides its ZeRO shards.
 """
 from __future__ import annotations
 
-from minipar import memory
+from minipar import memory, pipeline
 from minipar.comm import receive_numel
 from minipar.data_parallel import split
 
 
-def predict_peak(cfg, par, global_batch: int, rank: int = 0) -> dict:
-    """{category: bytes} of DP rank `rank` at its step's peak (the categories of memory.predict),
-    and "phase": the moment (see the module docstring)."""
-    if par.pp > 1:
-        raise NotImplementedError("predict_peak covers dp and tp (ZeRO-0 in any layout: "
-                                  "zero0_peak)")
+def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
+                 tally: dict | None = None) -> dict:
+    """{category: bytes} of DP rank `rank` of pipeline stage `pp_rank` at its step's peak (the
+    categories of memory.predict), and "phase": the moment (see the module docstring). tally:
+    memory.predict's for that rank, if at hand (the planner's stages)."""
+    if par.pp > 1 and (par.zero == 3 or par.zero and par.schedule == "zb-h1"):
+        raise NotImplementedError("predict_peak covers pipelines without ZeRO-3, and with "
+                                  "ZeRO-1/2 all their schedules but zb-h1")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
-    tally = memory.predict(cfg, par, global_batch, rank=rank)
-    if par.zero in (1, 2):
-        tally["optimizer"] += 4 * _pieces(cfg, par, rank)  # AdamW's step counters, one a tensor
-        return _buckets_peak(cfg, par, global_batch, rank, tally)
-    return zero0_peak(tally, par, _sizes(cfg, par))
+    tally = dict(tally or memory.predict(cfg, par, global_batch, rank=rank, pp_rank=pp_rank))
+    if par.zero in (1, 2):  # AdamW's step counters, one a tensor
+        tally["optimizer"] += 4 * _pieces(cfg, par, rank, pp_rank)
+        return _buckets_peak(cfg, par, global_batch, rank, tally, pp_rank)
+    return zero0_peak(tally, par, _sizes(cfg, par, pp_rank))
+
+
+def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict] | None:
+    """`predict_peak` of DP rank 0 of each pipeline stage, micro-batches of b, `layers` per chunk,
+    memory.predict's `tallies` at hand (the planner's stages); None where it has none. Without
+    ZeRO any layout; else a step repeats itself after three micro-batches (ZeRO-1 accumulates to
+    the last, 2 and 3 reduce each alike) and 1F1B and interleaved 1F1B after warm-up, pp (2 v + 1)
+    (GPipe's activations grow with m: walked whole): as many stand for any more (tests check)."""
+    if par.zero == 0:
+        return [zero0_peak(tallies[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp,
+                                                              r, of=memory.chunk_params))
+                for r in range(par.pp)]
+    if par.pp > 1 and (par.zero == 3 or par.schedule == "zb-h1"):
+        return None
+    m = min(par.microbatches, 3 if par.pp == 1 else par.microbatches if par.schedule == "gpipe"
+            else par.pp * (2 * par.virtual_stages + 1))
+    split = par.replace(microbatches=m, stage_layers=tuple(layers) if par.pp > 1 else None)
+    return [predict_peak(cfg, split, par.dp * m * b, 0, r, tallies[r]) for r in range(par.pp)]
 
 
 def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
@@ -62,32 +82,35 @@ def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
     return {**moments[phase], "phase": phase}
 
 
-def _sizes(cfg, par) -> list[int]:
-    """The parameters' sizes on one of the par.tp TP ranks, in the model's order."""
-    return memory.chunk_params(cfg, par.tp, cfg.n_layer, True, True)
+def _sizes(cfg, par, pp_rank: int = 0) -> list[int]:
+    """The parameters' sizes on one of the par.tp TP ranks of stage pp_rank, in the model's order
+    (its chunks in order)."""
+    return memory.rank_units(cfg, par.tp, memory.chunk_layers(cfg, par), par.pp, pp_rank,
+                             of=memory.chunk_params)
 
 
-def _flats(cfg, par, g: int) -> list[list[int]]:
+def _flats(cfg, par, g: int, pp_rank: int = 0) -> list[list[int]]:
     """The parameters' sizes in each ZeRO-1/2 flat buffer, in its order: one buffer of all, in
     the model's order (dp_mode "naive"), or data_parallel.split's buckets, in backward's."""
-    sizes = _sizes(cfg, par)
+    sizes = _sizes(cfg, par, pp_rank)
     if par.dp_mode == "naive":
         return [sizes]
     return [[sizes[i] for i in b] for b in split(sizes, par.bucket_bytes, g)]
 
 
-def _pieces(cfg, par, rank: int) -> int:
+def _pieces(cfg, par, rank: int, pp_rank: int = 0) -> int:
     """Tensors AdamW steps on DP rank `rank`: every parameter (its fp32 master) without ZeRO, else
     each piece of a parameter that falls in the rank's shard of a flat buffer (zero.Flat.adamw)."""
     if par.zero == 0:
-        return len(_sizes(cfg, par))
+        return len(_sizes(cfg, par, pp_rank))
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
-    return sum(_in_shard(sizes, par.dp, rank) for sizes in _flats(cfg, par, g))
+    return sum(_in_shard(sizes, par.dp, rank) for sizes in _flats(cfg, par, g, pp_rank))
 
 
-def _buffers(cfg, par, g: int) -> list[tuple[int, int]]:
+def _buffers(cfg, par, g: int, pp_rank: int = 0) -> list[tuple[int, int]]:
     """(full, shard) bytes of each ZeRO-1/2 gradient buffer (`_flats`), padded to N shards."""
-    shards = [memory.flat_shard(sum(sizes), par.dp, 0)[0] for sizes in _flats(cfg, par, g)]
+    shards = [memory.flat_shard(sum(sizes), par.dp, 0)[0]
+              for sizes in _flats(cfg, par, g, pp_rank)]
     return [(g * par.dp * shard, g * shard) for shard in shards]
 
 
@@ -254,7 +277,7 @@ def _block_events(cfg, b: int, e: int, o: int, recompute: str = "none", t: int =
         [(core, [])] + qkv + [(x + st, [o, o + 1])]
 
 
-def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
+def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: int = 0) -> dict:
     """ZeRO-1/2's peak, by walking backward node by node (`_backward_events`) through
     data_parallel.GradBuckets' rules. Stage 1 keeps its full buffers; stage 2 makes one at its
     first gradient (after retiring every bucket in flight but the newest) and frees it when
@@ -263,35 +286,39 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
     complete: bucketed stage 2 every micro-batch, bucketed stage 1 in the last, naive (one flat
     buffer) in finish, which launches what is left and retires everything. The ring's receive
     space lives from the step's first launch to finish. Each allocation, and each forward's end,
-    is a moment to check."""
+    is a moment to check. A pipeline stage walks its schedule's actions (`_stage_ops`); its step
+    runs in no_sync, so stage 1 reduces in finish only."""
     # long: one pass over the step's events, as GradBuckets runs them
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
-    sizes, n, keep = _sizes(cfg, par), par.dp, par.zero == 1
+    sizes, n, keep = _sizes(cfg, par, pp_rank), par.dp, par.zero == 1
     groups = [list(range(len(sizes)))] if par.dp_mode == "naive" else \
         split(sizes, par.bucket_bytes, g)
     bucket_of = {i: k for k, group in enumerate(groups) for i in group}
-    full = _buffers(cfg, par, g)
+    full = _buffers(cfg, par, g, pp_rank)
     ring = n > 1 and par.collectives == "minipar"
     scratch = ring * g * receive_numel(max(f for f, _ in full) // g, n)
     b, m = par.dp_rows(global_batch)[rank] // par.microbatches, par.microbatches
-    live = {"full": set(range(len(groups))) if keep else set(), "shards": set(), "launched": [],
-            "act": 0, "scratch": 0}
+    live = {"full": set(), "shards": set(), "launched": [], "act": 0, "scratch": 0, "grads": 0}
     arrived, best, nxt, rounds = [0] * len(groups), {}, [0], [0]
+    held = sum(v for k, v in tally.items() if k not in ("activations", "comm", "grads"))
 
-    def check(phase):
-        cats = dict(tally, activations=live["act"], comm=live["scratch"],
-                    grads=sum(full[k][0] for k in live["full"])
-                    + sum(full[k][1] for k in live["shards"]))
-        if sum(cats.values()) > sum(v for k, v in best.items() if k != "phase"):
-            best.clear()
-            best.update(cats, phase=phase)
+    def check(phase):  # (totals kept as they change: a plan walks thousands of these)
+        total = held + live["act"] + live["scratch"] + live["grads"]
+        if total > best.get("total", -1):
+            best.update(tally, activations=live["act"], comm=live["scratch"],
+                        grads=live["grads"], phase=phase, total=total)
+
+    def hold(k):  # a full buffer made
+        live["full"].add(k)
+        live["grads"] += full[k][0]
 
     def launch(k, phase="backward"):
         arrived[k] = 0
         if not live["scratch"]:
             live["scratch"] = scratch
             check(phase)
-        live["full"].add(k)  # (a bucket no gradient reached: zeros)
+        if k not in live["full"]:  # (a bucket no gradient reached: zeros)
+            hold(k)
         live["launched"].append(k)
         nxt[0] = (k + 1) % len(groups)
         rounds[0] += nxt[0] == 0
@@ -300,16 +327,26 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
         for k in ks:
             if not keep and k not in live["shards"]:  # copied out of the bucket
                 live["shards"].add(k)
+                live["grads"] += full[k][1]
                 check(phase)
-            if not keep:
+            if not keep and k in live["full"]:
                 live["full"].discard(k)
+                live["grads"] -= full[k][0]
             live["launched"].remove(k)
 
-    for micro in range(m):
-        live["act"] = tally["activations"]
-        check("forward")
-        for freed, params in _backward_events(cfg, b, memory.element_bytes(par.precision),
-                                              par.recompute, par.tp, par.sequence_parallel):
+    for k in range(len(groups)) if keep else []:
+        hold(k)
+    backwards = 0
+    for op, events in _stage_ops(cfg, par, b, pp_rank):
+        if op == "F":
+            live["act"] += sum(freed for freed, _ in events)
+            check("forward")
+            continue
+        backwards += 1
+        if keep and (par.pp > 1 or par.dp_mode == "naive"):  # no buffer made or launched here
+            live["act"] -= sum(freed for freed, _ in events)
+            continue
+        for freed, params in events:
             live["act"] -= freed
             for i in params:
                 k = bucket_of[i]
@@ -317,10 +354,10 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
                     retire([k])
                 if k not in live["full"]:
                     retire(live["launched"][:-1])
-                    live["full"].add(k)
+                    hold(k)
                     check("backward")
                 arrived[k] += 1
-                if par.dp_mode == "naive" or (keep and micro < m - 1):
+                if par.dp_mode == "naive" or (keep and (par.pp > 1 or backwards < m)):
                     continue
                 while arrived[nxt[0]] == len(groups[nxt[0]]):
                     launch(nxt[0])
@@ -329,4 +366,35 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict) -> dict:
     for k in range(nxt[0], len(groups)) if nxt[0] or not rounds[0] else []:
         launch(k, "step")  # finish
     retire(list(live["launched"]), "step")
+    best.pop("total")
     return best
+
+
+def _stage_ops(cfg, par, b: int, pp_rank: int) -> list[tuple[str, list]]:
+    """The step of pipeline stage `pp_rank` as [(op, events)]: "F" saves the bytes its chunk's
+    `_backward_events` free, "B" runs them (parameter indices those of the stage's chunks, in
+    order: memory.rank_units). Without a pipeline, forward then backward, micro-batch after
+    micro-batch. A chunk's events are the model's cut to its layers: the loss, head and ln_f on
+    the last chunk only, the embeddings on the first only."""
+    e, layers = memory.element_bytes(par.precision), memory.chunk_layers(cfg, par)
+    chunks, mine, start, offset = len(layers), range(pp_rank, len(layers), par.pp), 0, {}
+    for c in mine:
+        offset[c] = start
+        start += len(memory.chunk_params(cfg, par.tp, layers[c], c == 0, c == chunks - 1))
+
+    def events(c):  # a node without gradients folds into the next (nothing to check between)
+        ev = _backward_events(cfg.replace(n_layer=layers[c]), b, e, par.recompute, par.tp,
+                              par.sequence_parallel)
+        out, carry = [], 0
+        for freed, params in ev[:len(ev) - 2 * (c > 0)][3 * (c < chunks - 1):]:
+            if params:
+                out.append((carry + freed, [offset[c] + i - 2 * (c > 0) for i in params]))
+            carry = 0 if params else carry + freed
+        return out + [(carry, [])] * (carry > 0)
+
+    if par.pp == 1:
+        return [(op, events(0)) for _ in range(par.microbatches) for op in "FB"]
+    actions = pipeline.cached_schedule(par.schedule, par.pp, par.microbatches,
+                                       par.virtual_stages)[pp_rank]
+    of = {c: events(c) for c in mine}
+    return [(a.op, of[a.stage]) for a in actions]

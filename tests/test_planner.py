@@ -426,6 +426,23 @@ def test_fits_keeps_the_allocators_reserve_and_counts_the_steps_transients():
     assert tp.peak["phase"] == "forward" and tp.peak_memory > tp.total_memory
 
 
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_a_pipelines_steady_state_stands_for_any_number_of_micro_batches(schedule, v):
+    """The planner walks a ZeRO-1/2 pipeline stage's step peak over pp (2 v + 1) micro-batches at
+    most (predict._step_peaks): after warm-up 1F1B and interleaved 1F1B repeat themselves, and
+    every gradient bucket has been reduced once. The full walk gives the same peak for more."""
+    from minipar.step_memory import predict_peak
+    cfg = GPTConfig.preset("llama-tiny", n_layer=8, vocab_size=98)
+    for pp, zero, mode in ((2, 2, {"bucket_mb": 0.05}), (4, 2, {}), (4, 1, {"dp_mode": "naive"})):
+        cap = pp * (2 * v + 1)
+        for m in (cap + pp, 3 * cap):
+            par = ParallelConfig(dp=2, pp=pp, zero=zero, microbatches=m, schedule=schedule,
+                                 virtual_stages=v, recompute="full", **mode)
+            for r in range(pp):
+                assert predict_peak(cfg, par, 2 * m, pp_rank=r) == \
+                    predict_peak(cfg, par.replace(microbatches=cap), 2 * cap, pp_rank=r)
+
+
 def test_the_peak_without_zero_is_measured_to_the_byte_in_any_layout():
     """Without ZeRO the step's held peak (measured from tensor lifetimes) is the planner's
     Estimate.peak to the byte in every layout: TP with and without SP, pipelines of every schedule,

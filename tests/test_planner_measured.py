@@ -41,6 +41,7 @@ from scipy.stats import spearmanr
 from minipar import memory, pipeline
 from minipar.config import ParallelConfig as P
 from minipar.launch import launch
+from minipar.mesh import Mesh
 from minipar.model import GPTConfig
 from minipar.planner import calibrate, cpu_time, estimate, layer_profile
 
@@ -89,7 +90,11 @@ def _measure(world: int) -> list[dict]:
         steps = ranks[0]["layouts"][i]["step_times"][1:]
         measured_memory = max(sum(r["layouts"][i]["memory"][c] for c in memory.CATEGORIES) for r in ranks)
         calls = {k: v / STEPS for k, v in ranks[0]["layouts"][i]["calls"].items() if k != "p2p"}
+        # the estimate's peak is DP rank 0's (the largest ZeRO shard) of its fullest stage
+        firsts = [{c: r["layouts"][i]["peak"][c] for c in memory.CATEGORIES} for k, r in enumerate(ranks)
+                  if Mesh(par.dp, par.tp, par.pp, rank=k).coords().dp_rank == 0]
         rows.append(dict(layout=f"{'tiny' if cfg == TINY else 'wide'} {par.label}", cpu=cpu,
+                         peak=(est.peak, max(firsts, key=lambda p: sum(p.values()))),
                          asserted=LAYOUTS[world][i][3], others=ranks[0]["layouts"][i]["others"],
                          time=(est.step_time, statistics.median(steps)), memory=(est.total_memory, measured_memory),
                          calls=(cpu_time.collective_calls(cfg, est), calls)))
@@ -157,6 +162,8 @@ def test_predicted_step_time_and_memory_match_this_machine():
     assert sum(r["asserted"] for r in rows) >= max(WITHIN, 12) and {r["cpu"].world for r in rows} == set(LAYOUTS)
     for r in rows:  # counts, not times: the same on a busy machine
         assert r["memory"][0] == pytest.approx(r["memory"][1], rel=MEMORY_TOL), r["layout"]
+        predicted, measured = r["peak"]  # the step's held peak, every layout: to the byte
+        assert {c: predicted[c] for c in memory.CATEGORIES} == measured, r["layout"]
         assert r["calls"][0] == r["calls"][1], r["layout"]  # every collective the model charges, and no other
     while _off(rows, set(names)) and len(passes) < PASSES:  # each layout keeps the nearest of its measurements
         print(f"measuring again: {_off(rows, set(names))}")

@@ -295,8 +295,9 @@ def run_layouts(jobs: list, steps: int, calibrate: bool = False) -> dict:
     for `steps` steps with `train_layouts`, one after the other in this one job, with the threads
     launch gave. calibrate: first `machine_rank`, and `link_rank` right before each layout. Returns
     this rank's {"machine": {...}, "layouts": [{"step_times": [s], "memory": {category: bytes},
-    "calls": {collective: calls over the steps}, "links": {...}, "others": cores other programs kept
-    busy meanwhile (rank 0; None elsewhere)}]}."""
+    "calls": {collective: calls over the steps}, "peak": the watched step's held peak (TrainResult.
+    step_peak's "held"), "links": {...}, "others": cores other programs kept busy meanwhile (rank
+    0; None elsewhere)}]}."""
     out = {"machine": machine_rank() if calibrate else None, "layouts": []}
     groups = probe_groups() if calibrate else None  # once per job: every rank makes every group
 
@@ -310,6 +311,7 @@ def run_layouts(jobs: list, steps: int, calibrate: bool = False) -> dict:
                                #   not ours is other programs'
         wall, others = time.perf_counter() - wall, _system_busy() - busy - ours.item()
         out["layouts"].append({"step_times": r.step_times, "memory": r.memory, "calls": r.calls,
+                               "peak": r.step_memory.get("held"),
                                "links": links,
                                "others": max(others, 0.0) / wall if dist.get_rank() == 0 else None})
         return r

@@ -56,7 +56,7 @@ from minipar.planner.cluster import Cluster, flops_unit, memory_unit
 from minipar.planner.gpu_time import (OVERLAPS, WHOSE, chunk_cost, dp_time, messages,
                                       optimizer_time, work_on)
 from minipar.planner.partition import chunk_seconds, min_max
-from minipar.step_memory import predict_peak, zero0_peak
+from minipar.step_memory import stage_peaks
 
 TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
          "optimizer")
@@ -249,20 +249,11 @@ def _most(tally: dict, peak: dict | None) -> float:
 
 
 def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list | None:
-    """The step's peak with its transients on each pipeline rank (counted: `mem`), where predicted
-    (fused attention, one GPU kind): without ZeRO in any layout (step_memory.zero0_peak); ZeRO
-    without a pipeline, as predict_peak covers it; else None. A step repeats itself after three
-    micro-batches (ZeRO-1 accumulates to the last, 2 and 3 reduce each alike): m = 3 stands for
-    any m."""
+    """The step's peak with its transients on each pipeline rank (counted: `mem`), where
+    step_memory.stage_peaks predicts it, with fused attention on one GPU kind; else None."""
     if attention != "flash" or cluster.groups:
         return None
-    if par.zero == 0:
-        return [zero0_peak(mem[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp, r,
-                                                          of=memory.chunk_params))
-                for r in range(par.pp)]
-    m = min(par.microbatches, 3)
-    return None if par.pp > 1 else \
-        [predict_peak(cfg, par.replace(microbatches=m), par.dp * m * b)]
+    return stage_peaks(cfg, par, b, layers, mem)
 
 
 def refine(cfg, est: Estimate) -> Estimate:
