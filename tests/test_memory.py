@@ -167,8 +167,8 @@ def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
     saving its chunk's activations, a backward freeing them node by node while its gradients fill
     the stage's buckets; the step runs in no_sync, so ZeRO-1 reduces only in finish and ZeRO-2
     every micro-batch. GPipe, 1F1B and interleaved 1F1B, every DP mode, bf16 with 16-bit
-    gradients, recomputation; every rank (the walk's: its DP rank and stage). Measured at 16 such
-    layouts, 64 rank-cases, all equal."""
+    gradients, recomputation, and with TP (and SP) too, dp 2 x tp 2 x pp 2; every rank (the walk's:
+    its DP rank and stage). Measured at 16 layouts of 4 ranks, 64 rank-cases, all equal."""
     from minipar.mesh import Mesh
     from minipar.step_memory import predict_peak
     batch = 16
@@ -178,12 +178,15 @@ def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
     cases += [ParallelConfig(dp=2, pp=2, zero=2, microbatches=2, precision="bf16", reduce_fp32=False,
                              recompute="full", bucket_mb=0.05)]
     short = ODD.replace(seq_len=8)  # activations far below the buffers: the ring's space decides
+    with_tp = [ParallelConfig(dp=2, tp=2, pp=2, zero=z, microbatches=4, sequence_parallel=z == 2,
+                              bucket_mb=0.05) for z in (1, 2)]
     for cfg, layouts in ((ODD, cases), (short, [ParallelConfig(dp=2, pp=2, zero=z, microbatches=4,
-                                                               bucket_mb=0.05)
-                                                for z in (1, 2)])):
-        ranks = minipar.launch(workers_dp.train_variants, 4, cfg, layouts, 2, batch, timeout=300)
+                                                               bucket_mb=0.2) for z in (1, 2)]),
+                         (ODD.replace(vocab_size=98), with_tp)):
+        world = layouts[0].world
+        ranks = minipar.launch(workers_dp.train_variants, world, cfg, layouts, 2, batch, timeout=300)
         for i, par in enumerate(layouts):
-            for r in range(4):
+            for r in range(world):
                 at = Mesh(par.dp, par.tp, par.pp, rank=r).coords()
                 want = predict_peak(cfg, par, batch, rank=at.dp_rank, pp_rank=at.pp_rank)
                 got = ranks[r][i].step_memory["held"]
