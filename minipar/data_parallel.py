@@ -170,7 +170,8 @@ class GradBuckets:
             piece.add_(p.grad.view(-1))
             p.grad = None
         bucket.stale = False
-        bucket.arrived += 1
+        if self.sync or not self.keep:  # (kept buffers count the micro-batch that launches them)
+            bucket.arrived += 1
         if self.overlap and (self.sync or not self.keep):
             while self._next < len(self.buckets) and \
                     self.buckets[self._next].arrived == len(self.buckets[self._next].params):

@@ -137,9 +137,9 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
     events = _backward_events(cfg, b, memory.element_bytes(par.precision), par.recompute, par.tp,
                               par.sequence_parallel)
     nodes = len(events[3:-2]) // cfg.n_layer  # a block's
-    # what each unit saves, in forward order: tok_emb, pos_emb, the blocks, ln_f, the head
     # saved by the loss in forward, freed by the head's node
     held = _loss_held(cfg, b, par.tp, memory.element_bytes(par.precision))
+    # what each unit saves, in forward order: tok_emb, pos_emb, the blocks, ln_f, the head
     saved = [events[-1][0], events[-2][0]] + [sum(freed for freed, _ in events[3:3 + nodes])] \
         * cfg.n_layer + [events[2][0], events[1][0] - held]
     loss, u = events[0][0], len(sizes)
@@ -216,7 +216,7 @@ def _backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
     core itself would: the same events. Full recomputation keeps only a block's input, freed by its
     last node (ln1); what its re-run forward saves lives inside the block's backward, among
     autograd's temporaries (the tracker's count, as measured). Under TP the vocab-parallel loss
-    keeps its fp32 log-probabilities' shard and 9 s b bytes (the local targets, int64, and their
+    keeps its fp32 softmax shard and 9 s b bytes (the local targets, int64, and their
     mask), and the vocab-parallel embedding its local ids and mask (9 s b); TP's f and g operators
     save nothing. The vocab-parallel loss turns its saved softmax into the logits' gradient in
     place, so that shard lives on until the head's node (`_loss_held`). With SP the head's input is
@@ -356,9 +356,9 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: 
                     retire(live["launched"][:-1])
                     hold(k)
                     check("backward")
+                if par.dp_mode == "naive" or (keep and backwards < m):
+                    continue  # (kept buffers count the micro-batch that launches them)
                 arrived[k] += 1
-                if par.dp_mode == "naive" or (keep and (par.pp > 1 or backwards < m)):
-                    continue
                 while arrived[nxt[0]] == len(groups[nxt[0]]):
                     launch(nxt[0])
                     if nxt[0] == 0:

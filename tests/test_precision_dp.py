@@ -111,3 +111,11 @@ def test_16_bit_data_parallelism_buckets_and_overlaps_like_fp32():
         buckets = [s for s in res.spans if s[0].startswith("bucket")]
         backward = [s for s in res.spans if s[0] == "backward"]
         assert buckets and min(b[1] for b in buckets) < backward[-1][2]  # one began in backward
+    # with gradient accumulation too: the last micro-batch's backward launches them (its hooks
+    # once counted every micro-batch's gradients, and no bucket ever looked complete)
+    acc = minipar.launch(workers_dp.train_variants, 2, TINY, [ParallelConfig(dp=2, microbatches=2,
+                                                                              bucket_mb=0.1)],
+                         1, 4, timeout=120)[0][0]
+    backward = [s for s in acc.spans if s[0] == "backward"]
+    assert backward[-2][2] < min(s[1] for s in acc.spans if s[0].startswith("bucket")) < \
+        backward[-1][2]
