@@ -34,8 +34,9 @@ from minipar.data_parallel import split
 def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
                  tally: dict | None = None) -> dict:
     """{category: bytes} of DP rank `rank` of pipeline stage `pp_rank` at its step's peak (the
-    categories of memory.predict), and "phase": the moment (see the module docstring). tally:
-    memory.predict's for that rank, if at hand (the planner's stages)."""
+    categories of memory.predict, whose tally adds each category's most and may exceed it), and
+    "phase": "forward" (a forward's end), "backward" (a buffer made in backward) or "step" (after
+    backward). tally: memory.predict's for that rank, if at hand (the planner's stages)."""
     if par.pp > 1 and (par.zero == 3 or par.zero and par.schedule == "zb-h1"):
         raise NotImplementedError("predict_peak covers pipelines without ZeRO-3, and with "
                                   "ZeRO-1/2 all their schedules but zb-h1")
@@ -49,11 +50,10 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
 
 
 def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict] | None:
-    """`predict_peak` of DP rank 0 of each pipeline stage, micro-batches of b, `layers` per chunk,
-    memory.predict's `tallies` at hand (the planner's stages); None where it has none. Without
-    ZeRO any layout; else a step repeats itself after three micro-batches (ZeRO-1 accumulates to
-    the last, 2 and 3 reduce each alike) and 1F1B and interleaved 1F1B after warm-up, pp (2 v + 1)
-    (GPipe's activations grow with m: walked whole): as many stand for any more (tests check)."""
+    """`predict_peak` of DP rank 0 of each pipeline stage (micro-batches of b, `layers` per chunk,
+    memory.predict's `tallies`), None where it has none. A step repeats itself after 3 micro-batches
+    (ZeRO-1 accumulates to the last, 2 and 3 reduce each alike), 1F1B and interleaved after warm-up,
+    pp (2 v + 1) (GPipe's activations grow with m): as many stand for any more (tests check)."""
     if par.zero == 0:
         return [zero0_peak(tallies[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp,
                                                               r, of=memory.chunk_params))

@@ -394,7 +394,8 @@ def test_deepspeeds_pipeline_blocks_on_its_messages_and_reduces_after_the_flush(
         assert all(v >= 0 for v in e.breakdown.values())
     assert megatron.breakdown["pp_p2p"] < ours.breakdown["pp_p2p"]   # 1/t of each message
     assert ds.breakdown["pp_p2p"] > megatron.breakdown["pp_p2p"]     # blocking, same bytes
-    assert ds.breakdown["dp_comm"] > ours.breakdown["dp_comm"]       # nothing under the backward
+    # after the flush, as minipar's pipeline (its step in no_sync); Megatron's under the backward
+    assert ds.breakdown["dp_comm"] == ours.breakdown["dp_comm"] > megatron.breakdown["dp_comm"]
     assert ds.step_time > megatron.step_time
     assert "DeepSpeed's overlaps" in repr(ds)
     for bad in (par.replace(zero=2), par.replace(schedule="zb-h1")):

@@ -7,7 +7,7 @@ exact count). What changes, and why:
   compute       the model's own layer, ends, per-action overhead and optimizer step, as
                 `layer_profile.profile` times them (Python and dispatch are most of a small model's
                 time: FLOPs over a peak would miss it several times; matmul_fit.py fits
-                gpu_time's matmul model to this CPU, and its matmuls are 40-60% of a layer)
+                gpu_time's matmul model to this CPU, and its matmuls are a third to 60% of a layer)
   no overlap    collectives run on the cores that compute, so every TP, PP and DP message is paid in
                 full (gpu_time.py hides DP buckets under the backward; a small model's gradients
                 fill one bucket, sent after the backward anyway)

@@ -34,7 +34,8 @@ half the peak):
                     per micro-batch each way: X/bw + latency, on the slowest link the pipeline
                     crosses; how it is sent and split is the implementation's (`messages`)
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
-                    the last micro-batch's backward (data_parallel.py); stages 1, 2: reduce-scatter
+                    the last micro-batch's backward (data_parallel.py; with a pipeline minipar
+                    reduces after the flush: OVERLAPS' grad_reduce_pp); stages 1, 2: reduce-scatter
                     (overlapped the same way; bucketed stage 2 reduces every micro-batch, each
                     but the last hidden under a micro-batch's compute) + all-gather of the updated
                     parameters after the step (exposed in minipar; "production": under the next
@@ -127,7 +128,7 @@ def matmul(m: int, n: int, k: int, w: Work, batch: int = 1) -> float:
     and wave quantization: a 129-row matmul costs two row tiles, 109 tiles on 108 SMs two waves).
     The bytes, e (m k + k n + m n) a matmul, at HBM speed bound it from below (arithmetic
     intensity: a small matmul waits for memory). The call's own overhead comes on top (0 on GPUs;
-    a CPU's, fitted to its measured matmuls: calibrate.fit_matmuls, with threads as its SMs)."""
+    a CPU's, fitted to its measured matmuls: matmul_fit.fit_matmuls, with threads as its SMs)."""
     compute = waves(m, n, w.sms, batch, w.tile) * 2 * w.tile * w.tile * k / (w.rate / w.sms)
     return w.overhead + max(compute, batch * w.e * (m * k + k * n + m * n) / w.hbm)
 
@@ -221,8 +222,10 @@ SLOWDOWN = 1.3
 #                   Megatron's --overlap-grad-reduce); ZeRO-3's gathers are prefetched in all three
 #                   (minipar's Zero3, FSDP, DeepSpeed ZeRO-3). DeepSpeed's engine all-reduces after
 #                   backward, and ZeRO-1/2 overlap only with overlap_comm, off by default
-#   grad_reduce_pp  the same with a pipeline; DeepSpeed's pipeline engine reduces after the flush
-#                   (its TrainSchedule issues ReduceGrads after the last step)
+#   grad_reduce_pp  DP and ZeRO-1 the same with a pipeline (Megatron); minipar's pipeline runs its
+#                   step in no_sync and reduces them after the flush, as DeepSpeed's engine does
+#                   (its TrainSchedule issues ReduceGrads after the last step). ZeRO-2 reduces each
+#                   micro-batch's as without a pipeline, under grad_reduce (minipar, Megatron)
 #   param_gather    ZeRO-1/2's all-gather of the updated weights under the next forward (Megatron's
 #                   distributed optimizer with --overlap-param-gather); minipar and DeepSpeed wait
 #   p2p_async       pipeline messages travel while both sides compute (isend/irecv: minipar's and
@@ -233,7 +236,7 @@ SLOWDOWN = 1.3
 #   p2p_split       without SP each TP rank sends 1/t of a message and the receiver all-gathers it
 #                   over the TP link (Megatron's scatter-gather, Narayanan et al. 2021 sec. 4.1;
 #                   DeepSpeed's partitioned pipe buffers); minipar's TP ranks each send all of it
-OVERLAPS = {"minipar": frozenset({"grad_reduce", "grad_reduce_pp", "p2p_async"}),
+OVERLAPS = {"minipar": frozenset({"grad_reduce", "p2p_async"}),
             "production": frozenset({"grad_reduce", "grad_reduce_pp", "param_gather",
                                      "p2p_async", "p2p_split"}),
             "deepspeed": frozenset({"p2p_split"})}
@@ -268,7 +271,8 @@ def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: flo
     if n == 1:
         return 0.0
     g = per["grads"]  # fp32 gradients under mixed precision unless reduce_fp32=False
-    overlapped = ("grad_reduce_pp" if par.pp > 1 else "grad_reduce") in OVERLAPS[overlap]
+    overlapped = ("grad_reduce_pp" if par.pp > 1 and par.zero < 2 else "grad_reduce") \
+        in OVERLAPS[overlap]
     if par.zero == 0:
         total = all_reduce(g * psi, n, link)
         if par.dp_mode == "naive" or not overlapped:

@@ -6,12 +6,17 @@ at a ceiling rate, bounded below by its bytes at memory speed, plus a call's ove
 tile (128), the SMs and the rate come from the datasheet and one published layer (Korthikanti's
 Table 4). Here they are fitted to measured matmuls of the shapes the layouts use (`shapes`: each
 layer's q, k, v, proj and MLP matmuls, forward and both backward ones, and the head's, at several
-micro-batches and TP degrees), with the rank's threads as its SMs and the measured copy rate as its
-memory bandwidth:
+micro-batches and TP degrees), plus `probes` whose sides are not multiples of 16 (the layouts' all
+are, and a tile that divides every side costs nothing: only the probes can tell 8 from 16 or 1),
+with the rank's threads as its SMs (one thread: a wave is one tile) and the measured copy rate
+(bytes read and written) as its memory bandwidth:
   rate      FLOP/s of a full wave of tiles (fitted)
-  tile      the tile's side, from TILES (the one that fits best; ties go to the larger)
-  overhead  seconds a call costs besides: Python, dispatch, the BLAS's set-up (fitted)
-by least squares on log(predicted / measured), so that a 5 us matmul counts as much as a 2 ms one.
+  tile      the tile's side, from TILES (the one that fits best; an exact tie goes to the larger)
+  overhead  seconds a call costs besides: Python, dispatch, the BLAS's set-up (fitted, >= 0)
+by robust least squares on log(predicted / measured) (a 5 us matmul counts as much as a 2 ms one; a
+sample a busy host slowed weighs little), each sample the fastest of its calls. Measured here: a
+tile of 8, about 100 GFLOP/s and 1.8-1.9 us a call with one thread; no shape is bound by memory,
+so the roofline's floor is not tested on this CPU (`MatmulFit.memory_bound`).
 
 The CPU cost model (cpu_time.py) does not time layers from this fit: it times the model's own
 layer (layer_profile.py), in which Python and the elementwise kernels weigh as much as the matmuls
@@ -21,8 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +36,7 @@ from scipy.optimize import least_squares
 
 from minipar.planner import gpu_time
 
-TILES = (8, 16, 32, 64, 128)
+TILES = (1, 4, 8, 16, 32, 64, 128)
 
 
 def shapes(cfgs, micro_batches=(1, 2, 4), tps=(1, 2)) -> list[tuple[int, int, int]]:
@@ -47,8 +52,17 @@ def shapes(cfgs, micro_batches=(1, 2, 4), tps=(1, 2)) -> list[tuple[int, int, in
     return sorted(out)
 
 
+def probes(cfgs) -> list[tuple[int, int, int]]:
+    """Shapes beside the layouts' whose output sides are not multiples of 16, (b s + d, h + d, h)
+    for d in 1, 4, 8, 12: the layouts' sides all are, so only these can tell a tile of 16 from a
+    smaller one (a tile of t makes a side of 16 + d cost as much as the next multiple of t)."""
+    return sorted({(b * cfg.seq_len + d, cfg.d_model + d, cfg.d_model) for cfg in cfgs
+                   for b in (1, 2) for d in (1, 4, 8, 12)})
+
+
 def _seconds(fn, reps: int) -> float:
-    """Median seconds of fn over `reps` calls, after two warm-ups."""
+    """Fastest seconds of fn over `reps` calls, after two warm-ups: other work on a shared machine
+    only ever adds time (timeit's reasoning)."""
     for _ in range(2):
         fn()
     times = []
@@ -56,7 +70,7 @@ def _seconds(fn, reps: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 @dataclass(frozen=True)
@@ -77,9 +91,14 @@ class MatmulFit:
     def predict(self, m: int, n: int, k: int) -> float:
         return gpu_time.matmul(m, n, k, self.work())
 
-    def errors(self) -> list[float]:
-        """predicted / measured - 1 of each sample."""
-        return [self.predict(*shape) / s - 1 for shape, s in self.samples]
+    def errors(self, samples=None) -> list[float]:
+        """predicted / measured - 1 of each of `samples` ((m, n, k), seconds); its own if None."""
+        return [self.predict(*shape) / s - 1 for shape, s in samples or self.samples]
+
+    def memory_bound(self, m: int, n: int, k: int) -> bool:
+        """Whether its bytes at memory speed, not its tiles, set this matmul's time."""
+        return self.predict(m, n, k) > gpu_time.matmul(m, n, k, dataclasses.replace(self.work(),
+                                                                                  hbm=math.inf))
 
 
 def fit(samples, threads: int, bandwidth: float, tiles=TILES, overhead: bool = True) -> MatmulFit:
@@ -93,7 +112,8 @@ def fit(samples, threads: int, bandwidth: float, tiles=TILES, overhead: bool = T
             w = MatmulFit(rate, tile, over, bandwidth, threads, ()).work()
             return np.log([gpu_time.matmul(*shape, w) for shape, _ in samples]) - np.log(measured)
         flops = max(2 * m * n * k / s for (m, n, k), s in samples)
-        res = least_squares(model, [math.log(flops), 1.0], bounds=([0.0, 0.0], [math.inf, 1e3]))
+        res = least_squares(model, [math.log(flops), 1.0], bounds=([0.0, 0.0], [math.inf, 1e3]),
+                            loss="soft_l1", f_scale=0.05)  # a sample a busy host slowed: an outlier
         if best is None or res.cost < best[0] * (1 - 1e-3):
             best = (res.cost, tile, res.x)
     _, tile, x = best
@@ -110,11 +130,11 @@ def fit_matmuls(cfgs: tuple, threads: int, micro_batches=(1, 2, 4), tps=(1, 2),
     torch.set_num_threads(threads)
     try:
         samples = []
-        for m, n, k in shapes(cfgs, micro_batches, tps):
+        for m, n, k in shapes(cfgs, micro_batches, tps) + probes(cfgs):
             a, b = torch.randn(m, k), torch.randn(k, n)
             samples.append(((m, n, k), _seconds(lambda: a @ b, reps)))
         x, y = torch.empty(2 ** 23), torch.empty(2 ** 23)
-        copy = x.numel() * 4 / _seconds(lambda: y.copy_(x), 7)
+        copy = 2 * x.numel() * 4 / _seconds(lambda: y.copy_(x), 7)  # bytes read and written
     finally:
         torch.set_num_threads(before)
     return fit(samples, threads, copy)
