@@ -62,8 +62,9 @@ def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict] | N
         return None
     m = min(par.microbatches, 3 if par.pp == 1 else par.microbatches if par.schedule == "gpipe"
             else par.pp * (2 * par.virtual_stages + 1))
-    split = par.replace(microbatches=m, stage_layers=tuple(layers) if par.pp > 1 else None)
-    return [predict_peak(cfg, split, par.dp * m * b, 0, r, tallies[r]) for r in range(par.pp)]
+    par = par.replace(microbatches=m, stage_layers=tuple(layers) if par.pp > 1 else None)
+    return [predict_peak(cfg, par, par.dp * m * b, pp_rank=r, tally=tally)
+            for r, tally in enumerate(tallies)]
 
 
 def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
@@ -83,8 +84,7 @@ def zero0_peak(tally: dict, par, sizes: list[int]) -> dict:
 
 
 def _sizes(cfg, par, pp_rank: int = 0) -> list[int]:
-    """The parameters' sizes on one of the par.tp TP ranks of stage pp_rank, in the model's order
-    (its chunks in order)."""
+    """The parameters' sizes on one of the TP ranks of stage pp_rank, in the model's order."""
     return memory.rank_units(cfg, par.tp, memory.chunk_layers(cfg, par), par.pp, pp_rank,
                              of=memory.chunk_params)
 
@@ -300,10 +300,10 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: 
     b, m = par.dp_rows(global_batch)[rank] // par.microbatches, par.microbatches
     live = {"full": set(), "shards": set(), "launched": [], "act": 0, "scratch": 0, "grads": 0}
     arrived, best, nxt, rounds = [0] * len(groups), {}, [0], [0]
-    held = sum(v for k, v in tally.items() if k not in ("activations", "comm", "grads"))
+    states = sum(v for k, v in tally.items() if k not in ("activations", "comm", "grads"))
 
     def check(phase):  # (totals kept as they change: a plan walks thousands of these)
-        total = held + live["act"] + live["scratch"] + live["grads"]
+        total = states + live["act"] + live["scratch"] + live["grads"]
         if total > best.get("total", -1):
             best.update(tally, activations=live["act"], comm=live["scratch"],
                         grads=live["grads"], phase=phase, total=total)

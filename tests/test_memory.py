@@ -108,6 +108,25 @@ def test_zero_table_reproduces_the_paper(n_d):
         assert paper - last / 2 <= table[stage] < paper + last / 2, (n_d, stage, table[stage])
 
 
+def _assert_peaks(cfg, layouts, batch: int) -> list[dict]:
+    """Train `layouts` (one world size) in one launch and assert every rank's held peak, by category,
+    equal to step_memory.predict_peak for its DP rank and stage, and its phase too without a pipeline
+    (the executor's phases are not named); returns the predictions."""
+    from minipar.mesh import Mesh
+    from minipar.step_memory import predict_peak
+    world, wants = layouts[0].world, []
+    ranks = minipar.launch(workers_dp.train_variants, world, cfg, layouts, 2, batch, timeout=300)
+    for i, par in enumerate(layouts):
+        for r in range(world):
+            at = Mesh(par.dp, par.tp, par.pp, rank=r).coords()
+            want = predict_peak(cfg, par, batch, rank=at.dp_rank, pp_rank=at.pp_rank)
+            keys = memory.CATEGORIES if par.pp > 1 else want
+            got = ranks[r][i].step_memory["held"]
+            assert {c: got[c] for c in keys} == {c: want[c] for c in keys}, (par.label, r)
+            wants.append(want)
+    return wants
+
+
 @pytest.mark.parametrize("dp", [2, 3])
 def test_the_step_peak_is_predicted_to_the_byte(dp):
     """The most a rank holds over a whole step (measured from tensor lifetimes, minipar.tracker:
@@ -115,20 +134,12 @@ def test_the_step_peak_is_predicted_to_the_byte(dp):
     aside) equals step_memory.predict_peak, moment and bytes, for every ZeRO stage and DP mode
     (buckets of 0.1 MiB: many; 25 MiB: one), fp32 and bf16 (fp32 or 16-bit gradients), with and
     without accumulation."""
-    from minipar.step_memory import predict_peak
     modes = ({"dp_mode": "naive"}, {"bucket_mb": 0.1}, {})
     cases = [ParallelConfig(dp=dp, zero=z, precision=p, reduce_fp32=fp32_grads, microbatches=m,
                             **mode)
              for p, fp32_grads in (("fp32", True), ("bf16", True), ("bf16", False))
              for z in (0, 1, 2, 3) for mode in (modes[2:] if z == 3 else modes) for m in (1, 2)]
-    ranks = minipar.launch(workers_dp.train_variants, dp, ODD, cases, 2, BATCH, timeout=300)
-    phases = set()
-    for i, par in enumerate(cases):
-        for r in range(dp):
-            got = ranks[r][i].step_memory["held"]
-            want = predict_peak(ODD, par, BATCH, rank=r)
-            assert {c: got[c] for c in want} == want, (par.label, r)
-            phases.add(want["phase"])
+    phases = {want["phase"] for want in _assert_peaks(ODD, cases, BATCH)}
     assert phases == {"forward", "backward"}  # ZeRO-2 naive, one micro-batch: at its first gradient
 
 
@@ -141,7 +152,6 @@ def test_the_step_peak_with_tensor_parallelism_is_predicted_to_the_byte():
     LayerNorms keep sequence shards and one node gives q, k, v (or fc) their gradients. Every DP
     mode, fp32 and bf16 with 16-bit gradients, accumulation, each recomputation, on every rank
     (the walk's DP rank: rank // tp). Measured at 104 such layouts, 416 rank-cases, all equal."""
-    from minipar.step_memory import predict_peak
     cfg = GPTConfig.preset("tiny", vocab_size=98)
     cases = [ParallelConfig(dp=2, tp=2, zero=z, sequence_parallel=sp, **kw) for z in (1, 2)
              for sp in (False, True) for kw in (
@@ -155,11 +165,7 @@ def test_the_step_peak_with_tensor_parallelism_is_predicted_to_the_byte():
     llama_cases = [ParallelConfig(dp=2, tp=2, zero=z, sequence_parallel=sp, bucket_mb=0.02)
                    for z, sp in ((1, False), (2, False), (2, True))] + [ParallelConfig(dp=2, tp=2, zero=3)]
     for model, layouts in ((cfg, cases), (llama, llama_cases)):
-        ranks = minipar.launch(workers_dp.train_variants, 4, model, layouts, 2, BATCH, timeout=300)
-        for i, par in enumerate(layouts):
-            for r in range(4):
-                want = predict_peak(model, par, BATCH, rank=r // par.tp)
-                assert {c: ranks[r][i].step_memory["held"][c] for c in want} == want, (par.label, r)
+        _assert_peaks(model, layouts, BATCH)
 
 
 def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
@@ -169,8 +175,6 @@ def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
     every micro-batch. GPipe, 1F1B and interleaved 1F1B, every DP mode, bf16 with 16-bit
     gradients, recomputation, and with TP (and SP) too, dp 2 x tp 2 x pp 2; every rank (the walk's:
     its DP rank and stage). Measured at 16 layouts of 4 ranks, 64 rank-cases, all equal."""
-    from minipar.mesh import Mesh
-    from minipar.step_memory import predict_peak
     batch = 16
     cases = [ParallelConfig(dp=2, pp=2, zero=z, microbatches=4, **kw) for z in (1, 2) for kw in (
         dict(bucket_mb=0.05), dict(schedule="gpipe", dp_mode="naive"),
@@ -183,15 +187,7 @@ def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
     for cfg, layouts in ((ODD, cases), (short, [ParallelConfig(dp=2, pp=2, zero=z, microbatches=4,
                                                                bucket_mb=0.2) for z in (1, 2)]),
                          (ODD.replace(vocab_size=98), with_tp)):
-        world = layouts[0].world
-        ranks = minipar.launch(workers_dp.train_variants, world, cfg, layouts, 2, batch, timeout=300)
-        for i, par in enumerate(layouts):
-            for r in range(world):
-                at = Mesh(par.dp, par.tp, par.pp, rank=r).coords()
-                want = predict_peak(cfg, par, batch, rank=at.dp_rank, pp_rank=at.pp_rank)
-                got = ranks[r][i].step_memory["held"]
-                assert {c: got[c] for c in memory.CATEGORIES} == \
-                    {c: want[c] for c in memory.CATEGORIES}, (par.label, r)
+        _assert_peaks(cfg, layouts, batch)
 
 
 @pytest.mark.parametrize("shape", [{}, dict(mlp="swiglu", n_kv_head=2, ffn_hidden=128),
@@ -236,14 +232,9 @@ def test_the_step_peak_with_recomputation_is_predicted_to_the_byte():
     with it) and full (only each block's input kept, freed by its last node; its re-run forward's
     tensors are temporaries), both DP modes, fp32 and bf16 with 16-bit gradients, with and without
     accumulation, dp 3."""
-    from minipar.step_memory import predict_peak
     cases = [ParallelConfig(dp=3, zero=z, precision=p, reduce_fp32=p == "fp32", microbatches=m,
                             recompute=rc, **mode)
              for p in ("fp32", "bf16") for z in (1, 2, 3)
              for mode in ({"dp_mode": "naive"}, {})[z == 3:] for m in (1, 2)
              for rc in ("selective", "full")]
-    ranks = minipar.launch(workers_dp.train_variants, 3, ODD, cases, 2, 12, timeout=300)
-    for i, par in enumerate(cases):
-        for r in range(3):
-            want = predict_peak(ODD, par, 12, rank=r)
-            assert {c: ranks[r][i].step_memory["held"][c] for c in want} == want, (par.label, r)
+    _assert_peaks(ODD, cases, 12)

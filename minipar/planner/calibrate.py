@@ -106,7 +106,8 @@ def _times(fn, reps: int, warmup: int = 2, budget: float = 2.0) -> list[float]:
     return times
 
 
-def _fastest(fn, reps: int) -> float:
+def fastest(fn, reps: int) -> float:
+    """The fastest of `times`: other work on a shared machine only ever adds time."""
     return min(_times(fn, reps))
 
 
@@ -120,8 +121,8 @@ def machine_rank(reps: int = 7) -> dict:
     if dist.get_rank() == 0:
         a, b = torch.randn(512, 512), torch.randn(512, 512)
         x, y = torch.empty(2 ** 23), torch.empty(2 ** 23)
-        out.update(matmul=2 * 512 ** 3 / _fastest(lambda: a @ b, reps),
-                   copy_rate=x.numel() * 4 / _fastest(lambda: y.copy_(x), reps))
+        out.update(matmul=2 * 512 ** 3 / fastest(lambda: a @ b, reps),
+                   copy_rate=x.numel() * 4 / fastest(lambda: y.copy_(x), reps))
     dist.barrier()
     return out
 
@@ -170,7 +171,7 @@ def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
     out["together"] = _cycle(step, None, 2 * seconds)
     a, w = torch.randn(128, 64), torch.randn(64, 256)
     # ~0.3 ms of matmuls, rank 0's
-    count = torch.tensor([max(1, round(3e-4 / _fastest(lambda: a @ w, 9)))])
+    count = torch.tensor([max(1, round(3e-4 / fastest(lambda: a @ w, 9)))])
     dist.broadcast(count, 0)
 
     def work():

@@ -142,12 +142,15 @@ def layer_matmuls(cfg, b: int, t: int) -> list[tuple[int, int, int]]:
     return [(n, h // t, h), (n, kv // t, h), (n, kv // t, h), (n, h, h // t)] + mlp
 
 
+def passes(m: int, n: int, k: int) -> tuple[tuple, tuple, tuple]:
+    """A forward matmul (m, n, k) and its backward ones: (m, k, n) for its input's gradient and
+    (n, k, m) for its weight's."""
+    return (m, n, k), (m, k, n), (n, k, m)
+
+
 def dense_times(shapes, w: Work) -> tuple[float, float, float]:
-    """(forward, input-gradient B, weight-gradient W) seconds of these matmuls: each (m, n, k) of
-    the forward has a backward (m, k, n) for its input and (n, k, m) for its weight."""
-    return (sum(matmul(m, n, k, w) for m, n, k in shapes),
-            sum(matmul(m, k, n, w) for m, n, k in shapes),
-            sum(matmul(n, k, m, w) for m, n, k in shapes))
+    """(forward, input-gradient B, weight-gradient W) seconds of these matmuls (`passes`)."""
+    return tuple(sum(matmul(*passes(*shape)[i], w) for shape in shapes) for i in range(3))
 
 
 def attention_times(cfg, w: Work) -> tuple[float, float]:

@@ -24,10 +24,9 @@ at these sizes. `layer_share` says how much of a profiled layer the fitted matmu
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import time
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 from scipy.optimize import least_squares
 
 from minipar.planner import gpu_time
+from minipar.planner.calibrate import fastest
 
 TILES = (1, 4, 8, 16, 32, 64, 128)
 
@@ -47,8 +47,8 @@ def shapes(cfgs, micro_batches=(1, 2, 4), tps=(1, 2)) -> list[tuple[int, int, in
         for b in micro_batches:
             for t in (t for t in tps if cfg.n_head % t == 0):
                 head = (b * cfg.seq_len, cfg.vocab_size // t, cfg.d_model)
-                for m, n, k in gpu_time.layer_matmuls(cfg, b, t) + [head]:
-                    out |= {(m, n, k), (m, k, n), (n, k, m)}
+                for shape in gpu_time.layer_matmuls(cfg, b, t) + [head]:
+                    out |= set(gpu_time.passes(*shape))
     return sorted(out)
 
 
@@ -58,19 +58,6 @@ def probes(cfgs) -> list[tuple[int, int, int]]:
     smaller one (a tile of t makes a side of 16 + d cost as much as the next multiple of t)."""
     return sorted({(b * cfg.seq_len + d, cfg.d_model + d, cfg.d_model) for cfg in cfgs
                    for b in (1, 2) for d in (1, 4, 8, 12)})
-
-
-def _seconds(fn, reps: int) -> float:
-    """Fastest seconds of fn over `reps` calls, after two warm-ups: other work on a shared machine
-    only ever adds time (timeit's reasoning)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 @dataclass(frozen=True)
@@ -104,14 +91,14 @@ class MatmulFit:
 def fit(samples, threads: int, bandwidth: float, tiles=TILES, overhead: bool = True) -> MatmulFit:
     """The rate, tile and overhead (0 if not `overhead`) that fit these ((m, n, k), seconds)
     samples best, on log(predicted / measured)."""
-    measured = np.array([s for _, s in samples])
+    measured = np.log([s for _, s in samples])
+    flops = max(2 * m * n * k / s for (m, n, k), s in samples)  # the start: the fastest rate seen
     best = None
     for tile in sorted(tiles, reverse=True):
         def model(x):
             rate, over = math.exp(x[0]), (x[1] * 1e-6 if overhead else 0.0)
             w = MatmulFit(rate, tile, over, bandwidth, threads, ()).work()
-            return np.log([gpu_time.matmul(*shape, w) for shape, _ in samples]) - np.log(measured)
-        flops = max(2 * m * n * k / s for (m, n, k), s in samples)
+            return np.log([gpu_time.matmul(*shape, w) for shape, _ in samples]) - measured
         res = least_squares(model, [math.log(flops), 1.0], bounds=([0.0, 0.0], [math.inf, 1e3]),
                             loss="soft_l1", f_scale=0.05)  # a sample a busy host slowed: an outlier
         if best is None or res.cost < best[0] * (1 - 1e-3):
@@ -124,17 +111,18 @@ def fit(samples, threads: int, bandwidth: float, tiles=TILES, overhead: bool = T
 @functools.lru_cache(maxsize=16)
 def fit_matmuls(cfgs: tuple, threads: int, micro_batches=(1, 2, 4), tps=(1, 2),
                 reps: int = 15) -> MatmulFit:
-    """Time every matmul of `shapes(cfgs, ...)` here with `threads` threads (fp32, the median of
-    `reps`), and the copy rate of 32 MiB, and `fit` them. Cached per process."""
+    """Time every matmul of `shapes(cfgs, ...)` and `probes(cfgs)` here with `threads` threads
+    (fp32, the fastest of `reps`: calibrate.fastest), and the copy rate of 32 MiB, and `fit` them.
+    Cached per process."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         samples = []
         for m, n, k in shapes(cfgs, micro_batches, tps) + probes(cfgs):
             a, b = torch.randn(m, k), torch.randn(k, n)
-            samples.append(((m, n, k), _seconds(lambda: a @ b, reps)))
+            samples.append(((m, n, k), fastest(lambda: a @ b, reps)))
         x, y = torch.empty(2 ** 23), torch.empty(2 ** 23)
-        copy = 2 * x.numel() * 4 / _seconds(lambda: y.copy_(x), 7)  # bytes read and written
+        copy = 2 * x.numel() * 4 / fastest(lambda: y.copy_(x), 7)  # bytes read and written
     finally:
         torch.set_num_threads(before)
     return fit(samples, threads, copy)
