@@ -76,8 +76,8 @@ class ParallelConfig:
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
             _positive_int(name, getattr(self, name))
-        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or self.zero not in (0, 1,
-                                                                                              2, 3):
+        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or \
+                self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("precision", self.precision, PRECISIONS)
@@ -103,15 +103,12 @@ class ParallelConfig:
                              f"{self.sequence_parallel!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1: it cuts what "
-                             "tensor "
-                             "parallelism replicates")
+                             "tensor parallelism replicates")
         if self.sequence_parallel and self.zero == 3:
             raise ValueError("ParallelConfig.zero=3 does not combine with sequence_parallel: "
-                             "ZeRO-3 reduce-"
-                             "scatters each unit's gradients during backward, before the partial "
-                             "gradients of "
-                             "the sequence-sharded LayerNorms are summed over the TP group; use "
-                             "zero <= 2")
+                             "ZeRO-3 reduce-scatters each unit's gradients during backward, before "
+                             "the partial gradients of the sequence-sharded LayerNorms are summed "
+                             "over the TP group; use zero <= 2")
         if not isinstance(self.reduce_fp32, bool):
             raise ValueError("ParallelConfig.reduce_fp32 must be True or False, got "
                              f"{self.reduce_fp32!r}")
@@ -126,6 +123,12 @@ class ParallelConfig:
                              "microbatches "
                              f"({self.microbatches}): every DP rank cuts its rows into that many "
                              "micro-batches")
+        if self.zero == 3 and self.pp > 1 and self.schedule == "zb-h1":
+            raise ValueError("ParallelConfig.zero=3 does not combine with schedule='zb-h1': "
+                             "ZeRO-3 frees a unit's weights once its gradients are in and gathers "
+                             "them when backward reaches the unit's output, but a split backward's "
+                             "W runs each module's weight gradient on its own, later, and some "
+                             "need the weights (a LayerNorm's); use zero <= 2 or another schedule")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs "
                              "schedule='interleaved-1f1b', "

@@ -19,14 +19,14 @@ free. Both keep what they hold deterministic (a new buffer waits for the older o
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
 reduction to zero_grad. Covered: ZeRO 1-3 with TP, SP and recomputation (what each node keeps,
-and the order in which autograd finishes the gradients: `_backward_events`), ZeRO-1/2 on a
-pipeline stage too (its schedule's actions walked, zb-h1 aside); without ZeRO, any layout
+and the order in which autograd finishes the gradients: minipar/autograd_events.py), ZeRO-1/2 on a
+pipeline stage too (its schedule's actions walked, zb-h1's W too); without ZeRO, any layout
 (`zero0_peak`: TP, SP, pipelines and recomputation keep the same two moments); else
 NotImplementedError. A TP rank walks its own shards; its DP rank (`rank`) decides its ZeRO shards.
 """
 from __future__ import annotations
 
-from minipar import memory, pipeline
+from minipar import autograd_events, memory
 from minipar.comm import receive_numel
 from minipar.data_parallel import split
 
@@ -37,9 +37,8 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
     categories of memory.predict, whose tally adds each category's most and may exceed it), and
     "phase": "forward" (a forward's end), "backward" (a buffer made in backward) or "step" (after
     backward). tally: memory.predict's for that rank, if at hand (the planner's stages)."""
-    if par.pp > 1 and (par.zero == 3 or par.zero and par.schedule == "zb-h1"):
-        raise NotImplementedError("predict_peak covers pipelines without ZeRO-3, and with "
-                                  "ZeRO-1/2 all their schedules but zb-h1")
+    if par.pp > 1 and par.zero == 3:
+        raise NotImplementedError("predict_peak covers pipelines without ZeRO-3")
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank)
     tally = dict(tally or memory.predict(cfg, par, global_batch, rank=rank, pp_rank=pp_rank))
@@ -58,7 +57,7 @@ def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict] | N
         return [zero0_peak(tallies[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp,
                                                               r, of=memory.chunk_params))
                 for r in range(par.pp)]
-    if par.pp > 1 and (par.zero == 3 or par.schedule == "zb-h1"):
+    if par.pp > 1 and par.zero == 3:
         return None
     m = min(par.microbatches, 3 if par.pp == 1 else par.microbatches if par.schedule == "gpipe"
             else par.pp * (2 * par.virtual_stages + 1))
@@ -134,11 +133,11 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
              "optimizer": master * sum(shards) + (per["optimizer"] - master)
              * sum(o for _, o in flats) + 4 * sum(_in_shard(unit, n, rank) for unit in sizes)}
     b = par.dp_rows(global_batch)[rank] // par.microbatches
-    events = _backward_events(cfg, b, memory.element_bytes(par.precision), par.recompute, par.tp,
-                              par.sequence_parallel)
+    events = autograd_events.backward_events(cfg, b, memory.element_bytes(par.precision),
+                                             par.recompute, par.tp, par.sequence_parallel)
     nodes = len(events[3:-2]) // cfg.n_layer  # a block's
     # saved by the loss in forward, freed by the head's node
-    held = _loss_held(cfg, b, par.tp, memory.element_bytes(par.precision))
+    held = autograd_events.loss_held(cfg, b, par.tp, memory.element_bytes(par.precision))
     # what each unit saves, in forward order: tok_emb, pos_emb, the blocks, ln_f, the head
     saved = [events[-1][0], events[-2][0]] + [sum(freed for freed, _ in events[3:3 + nodes])] \
         * cfg.n_layer + [events[2][0], events[1][0] - held]
@@ -206,79 +205,8 @@ def _in_shard(sizes: list[int], n: int, rank: int) -> int:
     return count
 
 
-def _backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
-                     sp: bool = False) -> list[tuple[int, list[int]]]:
-    """Backward as autograd runs it, node by node, on one of t TP ranks (sequence-parallel if sp):
-    (activation bytes the node frees, the indices in chunk_params' order of the parameters whose
-    gradients arrive after it, last first). A node frees what it saved as it ends, before the
-    gradients it made reach their parameters. A tied head's weight is the embedding's: its gradient
-    arrives with the embedding's, last. Selective recomputation of the fused core saves what the
-    core itself would: the same events. Full recomputation keeps only a block's input, freed by its
-    last node (ln1); what its re-run forward saves lives inside the block's backward, among
-    autograd's temporaries (the tracker's count, as measured). Under TP the vocab-parallel loss
-    keeps its fp32 softmax shard and 9 s b bytes (the local targets, int64, and their
-    mask), and the vocab-parallel embedding its local ids and mask (9 s b); TP's f and g operators
-    save nothing. The vocab-parallel loss turns its saved softmax into the logits' gradient in
-    place, so that shard lives on until the head's node (`_loss_held`). With SP the head's input is
-    the sequence shard (tensor_parallel's _GatherThenLinears gathers it again in backward)."""
-    s, h, V, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer
-    x, st, per = s * b * h * e // (t if sp else 1), 2 * s * b * e // (t if sp else 1), \
-        len(memory.block_params(cfg))
-    top = 2 + per * L  # ln_f's weight
-    held = _loss_held(cfg, b, t, e)  # the vocab-parallel loss's softmax, the logits' gradient
-    loss, ids = (4 * s * b * V + 4 + 8 * s * b, 8 * s * b) if t == 1 else \
-        (4 * s * b * V // t + 9 * s * b - held, 9 * s * b)
-    head = [top + 2, top + 3] if sp else [top + 3, top + 2]  # (_GatherThenLinears: weight first)
-    events = [(loss, []), (x + held, [] if cfg.tie_embeddings else head),
-              (x + st, [top, top + 1])]
-    for k in reversed(range(L)):  # the head, ln_f, the blocks
-        block = _block_events(cfg, b, e, 2 + per * k, recompute, t, sp)
-        if recompute == "full":  # only its input was kept, freed by its last node (ln1)
-            block = [(0, params) for _, params in block[:-1]] + [(x, block[-1][1])]
-        events += block
-    return events + [(8 * s, [1]), (ids, [0])]
-
-
-def _loss_held(cfg, b: int, t: int, e: int) -> int:
-    """Bytes of the loss's saved tensors that outlive its backward node: under TP its fp32 softmax
-    shard, returned in place as the logits' gradient and freed by the head's node; with 16-bit
-    logits (e = 2) the cast back to them (the loss runs in fp32) frees it first."""
-    return 0 if t == 1 or e != 4 else 4 * cfg.seq_len * b * cfg.vocab_size // t
-
-
-def _block_events(cfg, b: int, e: int, o: int, recompute: str = "none", t: int = 1,
-                  sp: bool = False) -> list[tuple]:
-    """`_backward_events` of the block whose first parameter is the o-th: the MLP's nodes (GELU:
-    proj, the GELU, fc; SwiGLU: proj, the product, fc, the SiLU, the gate), ln2, the attention's
-    (proj, the core, v, k, q) and ln1. ln2's output goes with the last linear that saved it (fc, or
-    the gate), ln1's with q. The core saves its fp32 log-sum-exp unless recomputed (selective).
-    Under TP what lies between the column- and the row-parallel linears is cut t ways, the
-    LayerNorms' inputs and outputs are whole (their sequence shard with SP, where one node,
-    _GatherThenLinears, gives q, k and v, or fc and the gate, their gradients together), and a
-    row-parallel bias is added after the TP reduction: its gradient comes first, from a node of
-    its own."""
-    s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
-    x, st = s * b * h * e // (t if sp else 1), 2 * s * b * e // (t if sp else 1)
-    kv, f = s * b * cfg.kv_dim * e // t, s * b * cfg.ffn_dim * e // t  # a key (value), an MLP act.
-    row = (lambda freed, bias, weight: [(0, [bias]), (freed, [weight])]) if t > 1 else \
-        (lambda freed, bias, weight: [(freed, [bias, weight])])  # a row-parallel linear's nodes
-    if cfg.mlp == "swiglu":  # (under TP both column-parallel matmuls run before the SiLU)
-        mlp = [(f, [o + 13]), (2 * f, [])] + (
-            [(0, [o + 12]), (f, []), (x, [o + 11])] if t == 1 else
-            [(f, []), (x, [o + 11, o + 12])] if sp else [(f, []), (0, [o + 12]), (x, [o + 11])])
-    else:
-        mlp = row(f, o + 14, o + 13) + [(f, []), (x, [o + 11, o + 12] if sp else [o + 12, o + 11])]
-    lse = 0 if recompute == "selective" else 4 * a * s * b // t
-    core = 2 * s * b * h * e // t + 2 * kv + lse  # q, k, v, the log-sum-exp; and its output, which
-                                                  #   proj saves too: freed with the core's node
-    qkv = [(x, [o + 2, o + 3, o + 6, o + 5, o + 4])] if sp else \
-        [(0, [o + 6, o + 5]), (0, [o + 4]), (x, [o + 3, o + 2])]
-    return mlp + [(x + st, [o + 9, o + 10])] + row(0, o + 8, o + 7) + \
-        [(core, [])] + qkv + [(x + st, [o, o + 1])]
-
-
 def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: int = 0) -> dict:
-    """ZeRO-1/2's peak, by walking backward node by node (`_backward_events`) through
+    """ZeRO-1/2's peak, by walking backward node by node (`autograd_events`) through
     data_parallel.GradBuckets' rules. Stage 1 keeps its full buffers; stage 2 makes one at its
     first gradient (after retiring every bucket in flight but the newest) and frees it when
     retired (or refilled: the next micro-batch's), its shard, reduced in place, copied out first
@@ -286,7 +214,7 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: 
     complete: bucketed stage 2 every micro-batch, bucketed stage 1 in the last, naive (one flat
     buffer) in finish, which launches what is left and retires everything. The ring's receive
     space lives from the step's first launch to finish. Each allocation, and each forward's end,
-    is a moment to check. A pipeline stage walks its schedule's actions (`_stage_ops`); its step
+    is a moment to check. A pipeline stage walks its schedule's actions (`stage_ops`); its step
     runs in no_sync, so stage 1 reduces in finish only."""
     # long: one pass over the step's events, as GradBuckets runs them
     g = memory.layout_bytes(par.precision, par.reduce_fp32)["grads"]
@@ -337,7 +265,7 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: 
     for k in range(len(groups)) if keep else []:
         hold(k)
     backwards = 0
-    for op, events in _stage_ops(cfg, par, b, pp_rank):
+    for op, events in autograd_events.stage_ops(cfg, par, b, pp_rank):
         if op == "F":
             live["act"] += sum(freed for freed, _ in events)
             check("forward")
@@ -368,33 +296,3 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: 
     retire(list(live["launched"]), "step")
     best.pop("total")
     return best
-
-
-def _stage_ops(cfg, par, b: int, pp_rank: int) -> list[tuple[str, list]]:
-    """The step of pipeline stage `pp_rank` as [(op, events)]: "F" saves the bytes its chunk's
-    `_backward_events` free, "B" runs them (parameter indices those of the stage's chunks, in
-    order: memory.rank_units). Without a pipeline, forward then backward, micro-batch after
-    micro-batch. A chunk's events are the model's cut to its layers: the loss, head and ln_f on
-    the last chunk only, the embeddings on the first only."""
-    e, layers = memory.element_bytes(par.precision), memory.chunk_layers(cfg, par)
-    chunks, mine, start, offset = len(layers), range(pp_rank, len(layers), par.pp), 0, {}
-    for c in mine:
-        offset[c] = start
-        start += len(memory.chunk_params(cfg, par.tp, layers[c], c == 0, c == chunks - 1))
-
-    def events(c):  # a node without gradients folds into the next (nothing to check between)
-        ev = _backward_events(cfg.replace(n_layer=layers[c]), b, e, par.recompute, par.tp,
-                              par.sequence_parallel)
-        out, carry = [], 0
-        for freed, params in ev[:len(ev) - 2 * (c > 0)][3 * (c < chunks - 1):]:
-            if params:
-                out.append((carry + freed, [offset[c] + i - 2 * (c > 0) for i in params]))
-            carry = 0 if params else carry + freed
-        return out + [(carry, [])] * (carry > 0)
-
-    if par.pp == 1:
-        return [(op, events(0)) for _ in range(par.microbatches) for op in "FB"]
-    actions = pipeline.cached_schedule(par.schedule, par.pp, par.microbatches,
-                                       par.virtual_stages)[pp_rank]
-    of = {c: events(c) for c in mine}
-    return [(a.op, of[a.stage]) for a in actions]

@@ -25,6 +25,13 @@ def test_each_field_is_validated(field, value, message):
         ParallelConfig(**{field: value})
 
 
+def test_zero3_refuses_a_split_backward():
+    """ZeRO-3 with zb-h1 crashed in a worker (a LayerNorm's W found its unit's weights freed)."""
+    with pytest.raises(ValueError, match="zero=3 does not combine with schedule='zb-h1'"):
+        ParallelConfig(pp=2, zero=3, microbatches=2, schedule="zb-h1")
+    ParallelConfig(pp=2, zero=2, microbatches=2, schedule="zb-h1")
+
+
 def test_virtual_stages_need_the_interleaved_schedule():
     with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved-1f1b'"):
         ParallelConfig(pp=2, virtual_stages=2, schedule="1f1b")

@@ -172,45 +172,62 @@ def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
     """ZeRO-1/2 with a pipeline (dp 2 x pp 2): each stage walks its schedule's actions, a forward
     saving its chunk's activations, a backward freeing them node by node while its gradients fill
     the stage's buckets; the step runs in no_sync, so ZeRO-1 reduces only in finish and ZeRO-2
-    every micro-batch. GPipe, 1F1B and interleaved 1F1B, every DP mode, bf16 with 16-bit
-    gradients, recomputation, and with TP (and SP) too, dp 2 x tp 2 x pp 2; every rank (the walk's:
-    its DP rank and stage). Measured at 16 layouts of 4 ranks, 64 rank-cases, all equal."""
+    every micro-batch; ZB-H1's W gives a chunk's gradients module by module
+    (autograd_events.weight_order), its graph freed at W's end. GPipe, 1F1B, interleaved 1F1B and
+    ZB-H1, every DP mode, bf16 with 16-bit gradients, recomputation, and with TP (and SP) too, dp 2
+    x tp 2 x pp 2, GPT and Llama shapes; every rank (the walk's: its DP rank and stage)."""
     batch = 16
     cases = [ParallelConfig(dp=2, pp=2, zero=z, microbatches=4, **kw) for z in (1, 2) for kw in (
         dict(bucket_mb=0.05), dict(schedule="gpipe", dp_mode="naive"),
-        dict(schedule="interleaved-1f1b", virtual_stages=2, bucket_mb=0.05))]
+        dict(schedule="interleaved-1f1b", virtual_stages=2, bucket_mb=0.05),
+        dict(schedule="zb-h1", bucket_mb=0.05))]
     cases += [ParallelConfig(dp=2, pp=2, zero=2, microbatches=2, precision="bf16", reduce_fp32=False,
                              recompute="full", bucket_mb=0.05)]
     short = ODD.replace(seq_len=8)  # activations far below the buffers: the ring's space decides
     with_tp = [ParallelConfig(dp=2, tp=2, pp=2, zero=z, microbatches=4, sequence_parallel=z == 2,
-                              bucket_mb=0.05) for z in (1, 2)]
+                              bucket_mb=0.05, schedule=schedule) for z in (1, 2)
+               for schedule in ("1f1b", "zb-h1")]
+    llama = GPTConfig.preset("llama-tiny", vocab_size=98)  # W's order decides its buckets' peak
+    llama_zb = [ParallelConfig(dp=2, tp=2, pp=2, zero=2, microbatches=4, schedule="zb-h1",
+                               sequence_parallel=True, bucket_mb=0.02, precision="bf16")]
     for cfg, layouts in ((ODD, cases), (short, [ParallelConfig(dp=2, pp=2, zero=z, microbatches=4,
                                                                bucket_mb=0.2) for z in (1, 2)]),
-                         (ODD.replace(vocab_size=98), with_tp)):
+                         (ODD.replace(vocab_size=98), with_tp), (llama, llama_zb)):
         _assert_peaks(cfg, layouts, batch)
 
 
-@pytest.mark.parametrize("shape", [{}, dict(mlp="swiglu", n_kv_head=2, ffn_hidden=128),
-                                   dict(tie_embeddings=True)], ids=["gpt", "llama", "tied"])
-@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True)], ids=["t1", "t2", "t2-sp"])
+LLAMA_SHAPE = dict(mlp="swiglu", n_kv_head=2, ffn_hidden=128)
+TP_RANKS = pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True)],
+                                   ids=["t1", "t2", "t2-sp"])
+
+
+def _tp_rank_model(shape: dict, t: int, sp: bool):
+    """(cfg, model, loss_fn) of one TP rank of a 2-block model (collectives local: layer_profile's;
+    t = 1: the plain GPT)."""
+    from minipar.planner.layer_profile import _local_tp
+    from minipar.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
+    cfg = GPTConfig.preset("tiny", vocab_size=98, n_layer=2, **shape)
+    torch.manual_seed(0)
+    if t == 1:
+        return cfg, minipar.GPT(cfg), cross_entropy
+    tp = _local_tp(t, sp)
+    return cfg, apply_tp(minipar.GPT(cfg), tp), \
+        lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp)
+
+
+@pytest.mark.parametrize("shape", [{}, LLAMA_SHAPE, dict(tie_embeddings=True)],
+                         ids=["gpt", "llama", "tied"])
+@TP_RANKS
 def test_gradients_reach_their_parameters_in_the_walks_order(shape, t, sp):
-    """The step-peak walks (step_memory._backward_events) assume the order in which autograd
+    """The step-peak walks (minipar.autograd_events) assume the order in which autograd
     finishes each parameter's gradient, the order gradient buckets fill in: a LayerNorm's weight
     before its bias, a linear's bias before its weight, under TP a row-parallel bias from a node of
     its own, with SP the one node of q, k, v in autograd's own order; and what each node frees
     before its gradients arrive. Hooks on a TP rank's model (collectives local: layer_profile's)
     record each parameter's turn and the activations then still saved (minipar.tracker)."""
-    from minipar.planner.layer_profile import _local_tp
-    from minipar.step_memory import _backward_events
-    from minipar.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
+    from minipar.autograd_events import backward_events
     from minipar.tracker import Tracker
-    cfg = GPTConfig.preset("tiny", vocab_size=98, n_layer=2, **shape)
-    torch.manual_seed(0)
-    model, loss_fn = minipar.GPT(cfg), cross_entropy
-    if t > 1:
-        tp = _local_tp(t, sp)
-        model = apply_tp(model, tp)
-        loss_fn = lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp)  # noqa: E731
+    cfg, model, loss_fn = _tp_rank_model(shape, t, sp)
     order = []
     with Tracker(known={"params": list(model.parameters())}) as tracker:
         x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_len)) for _ in range(2))  # as train's
@@ -221,10 +238,31 @@ def test_gradients_reach_their_parameters_in_the_walks_order(shape, t, sp):
         saved = tracker.current["activations"]
         loss.backward()
     walk = []
-    for freed, params in _backward_events(cfg, 2, 4, "none", t, sp):
+    for freed, params in backward_events(cfg, 2, 4, "none", t, sp):
         saved -= freed
         walk += [(i, saved) for i in params]
     assert order == walk
+
+
+@pytest.mark.parametrize("shape", [{}, LLAMA_SHAPE], ids=["gpt", "llama"])
+@TP_RANKS
+def test_a_split_backward_gives_the_gradients_in_the_walks_order(shape, t, sp):
+    """zb-h1's W runs one backward per module that owns weights, deepest first: the step-peak walk
+    of its gradient buckets assumes that order (autograd_events.weight_order). Hooks on a one-rank
+    pipeline's only chunk record each parameter's turn in its F, B, W."""
+    from minipar.autograd_events import weight_order
+    from minipar.pipeline.runtime import Chunk, PipelineExecutor
+    from minipar.pipeline.schedules import Action
+    cfg, model, loss_fn = _tp_rank_model(shape, t, sp)
+    pipe = PipelineExecutor({0: Chunk(model, range(cfg.n_layer), True, True)},
+                            [[Action("F", 0, 0), Action("B", 0, 0), Action("W", 0, 0)]],
+                            (2, cfg.seq_len, cfg.d_model), loss_fn=loss_fn)
+    order = []
+    for i, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(lambda _, i=i: order.append(i))
+    x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_len)) for _ in range(2))
+    pipe.step([x], [y])
+    assert order == weight_order(cfg, cfg.n_layer, True, True, t, sp)
 
 
 def test_the_step_peak_with_recomputation_is_predicted_to_the_byte():

@@ -62,3 +62,19 @@ def test_layouts_that_cannot_run_fail_before_any_process():
                       global_batch=12)
     with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved-1f1b'"):
         ParallelConfig(pp=2, virtual_stages=2)
+
+
+def test_zero_2_and_3_on_a_pipeline_equal_the_single_process_run(reference):
+    """ZeRO-2 reduce-scatters each micro-batch's gradients on a stage, ZeRO-3 gathers and frees
+    each unit around every F and B: with every schedule each allows (dp 2 x pp 2, one launch), the
+    same training as one process."""
+    from minipar.lessons import demos_3d
+    layouts = [_layout(2, s, dp=2, zero=z) for z in (2, 3) for s in SCHEDULES
+               if (z, s) != (3, "zb-h1")]
+    ranks = minipar.launch(demos_3d.layouts, 4, CFG, layouts, STEPS, BATCH, 1e-3, 0.1, None, True,
+                           timeout=300)
+    for par, run in zip(layouts, ranks[0]):
+        try:
+            assert_same_training(run, reference)
+        except AssertionError as e:
+            raise AssertionError(f"{par.label}: {e}") from None

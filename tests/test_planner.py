@@ -427,10 +427,10 @@ def test_fits_keeps_the_allocators_reserve_and_counts_the_steps_transients():
     assert tp.peak["phase"] == "forward" and tp.peak_memory > tp.total_memory
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_a_pipelines_steady_state_stands_for_any_number_of_micro_batches(schedule, v):
     """The planner walks a ZeRO-1/2 pipeline stage's step peak over pp (2 v + 1) micro-batches at
-    most (predict._step_peaks): after warm-up 1F1B and interleaved 1F1B repeat themselves, and
+    most (predict._step_peaks): after warm-up 1F1B, interleaved 1F1B and ZB-H1 repeat themselves, and
     every gradient bucket has been reduced once. The full walk gives the same peak for more."""
     from minipar.step_memory import predict_peak
     cfg = GPTConfig.preset("llama-tiny", n_layer=8, vocab_size=98)
