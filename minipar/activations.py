@@ -1,4 +1,5 @@
-"""The bytes autograd saves for backward, measured as they come and go (`ActivationMeter`).
+"""Memory measured: the bytes tensors hold (`measure`, each storage once) and the bytes autograd
+saves for backward, as they come and go (`ActivationMeter`).
 
 A saved tensor is seen by a `torch.autograd.graph.saved_tensors_hooks` pack hook during forward and
 counted once per storage; parameters (and views of them, W.t()) are not activations. memory.py
@@ -9,6 +10,28 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by these tensors, each storage counted once."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer):
+    """Every tensor of the optimizer's state (moments, master weights, step counters)."""
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0) -> dict[str, int]:
+    """A rank's memory by category, in bytes, from the tensors it holds (each storage once)."""
+    return {"params": tensor_bytes(params), "grads": tensor_bytes(grads),
+            "optimizer": tensor_bytes(optimizer_state), "activations": activations, "comm": comm}
 
 
 class ActivationMeter:

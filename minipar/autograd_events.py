@@ -6,7 +6,7 @@ Llama shapes, with and without TP and SP.
 """
 from __future__ import annotations
 
-from minipar import memory, pipeline
+from minipar import memory
 
 
 def backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
@@ -105,10 +105,6 @@ def stage_ops(cfg, par, b: int, pp_rank: int) -> list[tuple[str, list]]:
             carry = 0 if params else carry + freed
         return out + [(carry, [])] * (carry > 0)
 
-    if par.pp == 1:
-        return [(op, events(0)) for _ in range(par.microbatches) for op in "FB"]
-    actions = pipeline.cached_schedule(par.schedule, par.pp, par.microbatches,
-                                       par.virtual_stages)[pp_rank]
     of = {(op, c): events(c) for c in mine for op in "FB"}
     for c in mine if par.schedule == "zb-h1" else ():  # B frees the loss's node, W the rest
         loss = backward_events(cfg, b, e, t=par.tp)[0][0] if c == chunks - 1 else 0
@@ -117,7 +113,7 @@ def stage_ops(cfg, par, b: int, pp_rank: int) -> list[tuple[str, list]]:
                                                                  c == chunks - 1, par.tp,
                                                                  par.sequence_parallel)]),
                       (sum(freed for freed, _ in of["F", c]) - loss, [])]
-    return [(a.op, of[a.op, a.stage]) for a in actions]
+    return [(op, of[op, c]) for op, c in memory.rank_actions(par, pp_rank)]
 
 
 def weight_order(cfg, layers: int, first: bool, last: bool, t: int = 1,

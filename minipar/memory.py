@@ -19,43 +19,16 @@ parameter's states take.
 """
 from __future__ import annotations
 
-import torch
-
-from minipar.activations import ActivationMeter  # noqa: F401  (memory.ActivationMeter, measured)
+from minipar.activations import (  # noqa: F401  (memory.*: the measured side)
+    ActivationMeter, measure, optimizer_tensors, tensor_bytes)
 from minipar.comm import receive_numel
 from minipar.data_parallel import split
 from minipar.mesh import Mesh
 from minipar.pipeline.runtime import partition
 from minipar.pipeline.schedules import cached_schedule
+from minipar.zero3 import unit_events
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes held by these tensors, each storage counted once."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel():
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def optimizer_tensors(optimizer):
-    """Every tensor of the optimizer's state (moments, master weights, step counters)."""
-    for state in optimizer.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-
-def measure(params, grads, optimizer_state, activations: int = 0, comm: int = 0) -> dict[str, int]:
-    """A rank's memory by category, in bytes, from the tensors it holds (each storage once)."""
-    return {
-        "params": tensor_bytes(params),
-        "grads": tensor_bytes(grads),
-        "optimizer": tensor_bytes(optimizer_state),
-        "activations": activations,
-        "comm": comm,
-    }
 
 
 # ----------------------------------------------------------------------------- predicted
@@ -70,8 +43,6 @@ FP32 = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights and grads, t
 MIXED = {"params": 2, "grads": 2, "optimizer": 12}   # 16-bit weights and grads; fp32
                                                      #   master + 2 moments
 PURE_BF16 = {"params": 2, "grads": 2, "optimizer": 4}  # no master: two bf16 moments
-
-
 MIXED_FP32_GRADS = {"params": 2, "grads": 4, "optimizer": 12}  # fp32 gradients: Megatron's 18
 
 
@@ -142,14 +113,18 @@ def chunk_params(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]
 
 
 def chunk_units(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
-    """The parameters of each ZeRO-3 unit `zero.Zero3` cuts a chunk into (`chunk_params` summed by
-    module, in forward order): tok_emb | pos_emb | each block | ln_f | head (untied)."""
+    """The parameters of each ZeRO-3 unit `zero.Zero3` cuts a chunk into: `unit_params` summed."""
+    return [sum(unit) for unit in unit_params(cfg, t, layers, first, last)]
+
+
+def unit_params(cfg, t: int, layers: int, first: bool, last: bool) -> list[list[int]]:
+    """`chunk_params` cut into ZeRO-3's units, in forward order: tok_emb | pos_emb | each block |
+    ln_f | head (untied)."""
     sizes = chunk_params(cfg, t, layers, first, last)
-    ends = [1, 1] if first else []
-    ends_last = ([2] if cfg.tie_embeddings else [2, 2]) if last else []
-    counts = ends + [len(block_params(cfg))] * layers + ends_last
+    counts = [1, 1] * first + [len(block_params(cfg))] * layers + \
+        ([2] if cfg.tie_embeddings else [2, 2]) * last
     bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
-    return [sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [sizes[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def replicated_params(cfg, layers: int, first: bool, last: bool) -> int:
@@ -173,6 +148,33 @@ def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int, of=None) -
     n, of = len(layers), of or chunk_units
     mine = range(pp_rank, n, pp)
     return [u for c in mine for u in of(cfg, t, layers[c], c == 0, c == n - 1)]
+
+
+def rank_actions(par, pp_rank: int = 0, m: int | None = None) -> list[tuple[str, int]]:
+    """(op, chunk) of a step of pipeline stage pp_rank (of m micro-batches, default par's): its
+    schedule's actions, or without a pipeline each micro-batch's forward and backward."""
+    m = m or par.microbatches
+    if par.pp == 1:
+        return [(op, 0) for _ in range(m) for op in "FB"]
+    return [(a.op, a.stage) for a in cached_schedule(par.schedule, par.pp, m,
+                                                     par.virtual_stages)[pp_rank]]
+
+
+def zero3_gathered(cfg, par, pp_rank: int = 0, layers: list[int] | None = None) -> int:
+    """Elements ZeRO-3 holds gathered at most on a rank of stage pp_rank (`layers` per chunk, as
+    `chunk_layers`), each unit padded to N shards: a unit and the next, prefetched; with interleaved
+    1F1B a prefetch into another chunk may keep a third (zero3.unit_events over the step, whose
+    pattern repeats after pp (2 v + 1) micro-batches: as many stand for more)."""
+    layers, full, spans, gathered, most = layers or chunk_layers(cfg, par), [], {}, set(), 0
+    for c in range(pp_rank, len(layers), par.pp):
+        units = chunk_units(cfg, par.tp, layers[c], c == 0, c == len(layers) - 1)
+        spans[c] = range(len(full), len(full) + len(units))
+        full += [par.dp * flat_shard(unit, par.dp, 0)[0] for unit in units]
+    steady = min(par.microbatches, par.pp * (2 * par.virtual_stages + 1))
+    for op, c in rank_actions(par, pp_rank, steady):
+        for _ in unit_events(spans, op, c, gathered):
+            most = max(most, sum(full[i] for i in gathered))
+    return most
 
 
 def flat_shard(total: int, n: int, rank: int) -> tuple[int, int]:
@@ -273,7 +275,7 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
                  stages 1, 2: none (they reduce-scatter in place, into the bucket's own shard,
                  and free the receive space once the step's reductions are done) | stage 3: the
                  gathered units, at most two adjacent ones at a time, p (full_i + full_{i+1}) at
-                 the largest pair
+                 the largest pair (interleaved 1F1B: a third may wait, `zero3_gathered`)
     Psi_pad is Psi with each flat buffer padded to a multiple of N: stages 1, 2 one per bucket
     (data_parallel.split; dp_mode "naive": one), stage 3 one per unit. Not counted, as the tally
     does not count them: the optimizer's step counters (4 bytes for each parameter, or piece of one,
@@ -281,8 +283,6 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     of them through backward with dp_mode "naive", at most two with "bucketed"), a unit's full
     gradients in stage 3, autograd's temporaries.
     """
-    if par.zero == 3 and par.pp > 1:
-        raise NotImplementedError("predict covers ZeRO-3 without pipelines")
     par.check(cfg, global_batch)
     per = bytes_per_param or layout_bytes(par.precision, par.reduce_fp32)
     layers = chunk_layers(cfg, par)
@@ -290,29 +290,31 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     params = rank_units(cfg, par.tp, layers, par.pp, pp_rank, of=chunk_params)
     b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch, dp_shares
     activations = stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank)
-    return by_category(rank_states(par, units, per, rank, params), activations)
+    gathered = zero3_gathered(cfg, par, pp_rank) if par.zero == 3 else None
+    return by_category(rank_states(par, units, per, rank, params, gathered), activations)
 
 
 def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
-                params: list[int] | None = None) -> dict[str, int]:
+                params: list[int] | None = None, gathered: int | None = None) -> dict[str, int]:
     """Model states and communication buffers after a step, bytes {params, grads, optimizer, comm},
     of DP rank `dp_rank` holding the units `sizes` (`rank_units`) at `per` bytes a parameter, as
     zero.py, zero3.py and data_parallel.py allocate them (`predict` gives the formulas). ZeRO-3 pads
     each unit on its own; stages 1-2 each gradient bucket (data_parallel.split of `params`, the
     parameters' sizes, model order; None: one flat buffer of their sum, the planner's
-    approximation). predict and the planner's stages count with it."""
+    approximation). ZeRO-3's gathered units: `gathered` elements (zero3_gathered), else a unit and
+    the next. predict and the planner's stages count with it."""
     n, stage, psi, g = par.dp, par.zero, sum(sizes), per["grads"]
     # a sharded optimizer: the fp32 master shard (mixed precision) has the padding too, the
     # moments only the real elements
     master = 4 if par.precision in ("bf16", "fp16") else 0
     optimizer = lambda shard, owned: master * shard + (per["optimizer"] - master) * owned  # noqa
-    if stage == 3:  # a unit and the next one, prefetched, gathered at once (the scratch is freed)
+    if stage == 3:  # (the scratch is freed after the step)
         shards = [flat_shard(size, n, dp_rank) for size in sizes]
         full = [n * s for s, _ in shards]
         shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
+        gathered = gathered or max([x + y for x, y in zip(full, full[1:])] or full)
         return {"params": per["params"] * shard, "grads": g * shard,
-                "optimizer": optimizer(shard, owned),
-                "comm": per["params"] * max([x + y for x, y in zip(full, full[1:])] or full)}
+                "optimizer": optimizer(shard, owned), "comm": per["params"] * gathered}
     params = params or [psi]
     naive = par.dp_mode == "naive"
     groups = split(params, par.bucket_bytes, g)
@@ -371,9 +373,10 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     actions = actions or cached_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     # targets: in "head"
     ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)
-    # what B frees when W comes later: the loss's saved tensors (with tp, its softmax slice becomes
-    # the head's output gradient in place, which W still holds)
-    loss = 4 * sb * cfg.vocab_size + 4 + targets if t == 1 else 9 * sb
+    # what B frees when W comes later: the loss's saved tensors (with tp in fp32, its softmax slice
+    # becomes the head's output gradient in place, which W still holds; 16-bit logits free it)
+    loss = 4 * sb * cfg.vocab_size + 4 + targets if t == 1 else \
+        9 * sb + (4 * sb * cfg.vocab_size // t) * (element_bytes != 4)
     held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
     peaks = []
@@ -390,11 +393,8 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     return peaks
 
 
-def predict_ranks(cfg, par, global_batch: int) -> list[dict] | None:
+def predict_ranks(cfg, par, global_batch: int) -> list[dict]:
     """`predict` for every rank of the layout (ZeRO's shard is the rank's place in its DP group),
-    in rank order; None where the model does not cover the layout (ZeRO-3 with pp)."""
+    in rank order."""
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
-    try:
-        return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]
-    except NotImplementedError:
-        return None
+    return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]

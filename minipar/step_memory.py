@@ -29,6 +29,7 @@ from __future__ import annotations
 from minipar import autograd_events, memory
 from minipar.comm import receive_numel
 from minipar.data_parallel import split
+from minipar.zero3 import unit_events
 
 
 def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
@@ -37,10 +38,8 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
     categories of memory.predict, whose tally adds each category's most and may exceed it), and
     "phase": "forward" (a forward's end), "backward" (a buffer made in backward) or "step" (after
     backward). tally: memory.predict's for that rank, if at hand (the planner's stages)."""
-    if par.pp > 1 and par.zero == 3:
-        raise NotImplementedError("predict_peak covers pipelines without ZeRO-3")
     if par.zero == 3:
-        return _zero3_peak(cfg, par, global_batch, rank)
+        return _zero3_peak(cfg, par, global_batch, rank, pp_rank)
     tally = dict(tally or memory.predict(cfg, par, global_batch, rank=rank, pp_rank=pp_rank))
     if par.zero in (1, 2):  # AdamW's step counters, one a tensor
         tally["optimizer"] += 4 * _pieces(cfg, par, rank, pp_rank)
@@ -57,8 +56,6 @@ def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict] | N
         return [zero0_peak(tallies[r], par, memory.rank_units(cfg, par.tp, list(layers), par.pp,
                                                               r, of=memory.chunk_params))
                 for r in range(par.pp)]
-    if par.pp > 1 and par.zero == 3:
-        return None
     m = min(par.microbatches, 3 if par.pp == 1 else par.microbatches if par.schedule == "gpipe"
             else par.pp * (2 * par.virtual_stages + 1))
     par = par.replace(microbatches=m, stage_layers=tuple(layers) if par.pp > 1 else None)
@@ -113,37 +110,27 @@ def _buffers(cfg, par, g: int, pp_rank: int = 0) -> list[tuple[int, int]]:
     return [(g * par.dp * shard, g * shard) for shard in shards]
 
 
-def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
-    """ZeRO-3's peak, by walking its step as zero3.Zero3 runs it, unit by unit (forward order:
-    the embeddings, the blocks, ln_f, the head). A unit is gathered before its forward, the next one
-    prefetched, and freed after it; in backward gathered when its output's gradient is ready (after
-    the loss's backward, for the head), the one before prefetched; once its gradients are in (its
-    activations all freed), they are flattened (g N shard), reduced into a landing shard (g shard)
-    while at most two reductions before it are still held, and the unit freed. The step's first
-    reduction makes the ring's receive space, each unit's first its gradient shard (kept to the
-    step). Every allocation is a moment to check."""
+def _zero3_peak(cfg, par, global_batch: int, rank: int, pp_rank: int = 0) -> dict:
+    """ZeRO-3's peak, by walking its step as zero3.Zero3 runs it: action by action (a pipeline
+    stage's schedule), unit by unit, gathered, prefetched and freed as zero3.unit_events says. A
+    unit's forward adds what it saves (the loss's, after the head's; its backward frees it first);
+    once its gradients are in (its activations all freed), they are flattened (g N shard), reduced
+    into a landing shard (g shard) while at most two reductions before it are still held, and the
+    unit freed. The step's first reduction makes the ring's receive space, each unit's
+    first its gradient shard (kept to the step). Every allocation is a moment to check."""
     # long: one pass over the step's events, a line or two each, as zero3.Zero3 runs them
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     p, g, n = per["params"], per["grads"], par.dp
-    sizes = _unit_sizes(cfg, par.tp)
+    b = par.dp_rows(global_batch)[rank] // par.microbatches
+    sizes, saved, span, loss, held = _zero3_units(cfg, par, b, pp_rank)
     flats = [memory.flat_shard(sum(unit), n, rank) for unit in sizes]
     shards = [shard for shard, _ in flats]
     master = 4 if par.precision in ("bf16", "fp16") else 0
     state = {"params": p * sum(shards),
              "optimizer": master * sum(shards) + (per["optimizer"] - master)
              * sum(o for _, o in flats) + 4 * sum(_in_shard(unit, n, rank) for unit in sizes)}
-    b = par.dp_rows(global_batch)[rank] // par.microbatches
-    events = autograd_events.backward_events(cfg, b, memory.element_bytes(par.precision),
-                                             par.recompute, par.tp, par.sequence_parallel)
-    nodes = len(events[3:-2]) // cfg.n_layer  # a block's
-    # saved by the loss in forward, freed by the head's node
-    held = autograd_events.loss_held(cfg, b, par.tp, memory.element_bytes(par.precision))
-    # what each unit saves, in forward order: tok_emb, pos_emb, the blocks, ln_f, the head
-    saved = [events[-1][0], events[-2][0]] + [sum(freed for freed, _ in events[3:3 + nodes])] \
-        * cfg.n_layer + [events[2][0], events[1][0] - held]
-    loss, u = events[0][0], len(sizes)
     live = {"gathered": set(), "pending": [], "shards": set(), "scratch": 0, "act": 0}
-    best = {}
+    best, last = {}, par.pp * par.virtual_stages - 1  # (the chunk with the loss)
 
     def check(phase):
         pending = live["pending"]
@@ -157,41 +144,47 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int) -> dict:
             best.clear()
             best.update(cats, phase=phase)
 
-    def gather(i, phase):
-        if 0 <= i < u and i not in live["gathered"]:
-            live["gathered"].add(i)
+    for op, c in memory.rank_actions(par, pp_rank):
+        phase, head = "forward" if op == "F" else "backward", span[c][-1] if c == last else -1
+        live["act"] -= loss * (op == "B" and c == last)  # the loss's backward comes first
+        for event, i in unit_events(span, op, c, live["gathered"]):
+            if event == "gather":
+                check(phase)
+            elif op == "F":
+                live["act"] += saved[i]
+                check(phase)
+            else:
+                live["act"] -= saved[i] + (held if i == head else 0)
+                live["pending"].append(i)
+                ring = par.collectives == "minipar"  # (the backend's need no receive space of ours)
+                live["scratch"] = live["scratch"] or ring * g * receive_numel(n * max(shards), n)
+                live["shards"].add(i)
+                check(phase)
+                live["pending"] = live["pending"][-2:]  # the oldest retired
+        if op == "F" and c == last:  # the loss, after the head is freed
+            live["act"] += loss + held
             check(phase)
-
-    for _ in range(par.microbatches):
-        for i in range(u):  # forward
-            gather(i, "forward")
-            gather(i + 1, "forward")
-            live["act"] += saved[i]
-            check("forward")
-            live["gathered"].discard(i)
-        live["act"] += loss + held
-        check("forward")
-        live["act"] -= loss  # the loss's backward, before the head's output has its gradient
-        for i in reversed(range(u)):  # backward
-            gather(i, "backward")
-            gather(i - 1, "backward")
-            live["act"] -= saved[i] + (held if i == u - 1 else 0)
-            live["pending"].append(i)
-            ring = par.collectives == "minipar"  # (the backend's need no receive space of ours)
-            live["scratch"] = live["scratch"] or ring * g * receive_numel(n * max(shards), n)
-            live["shards"].add(i)
-            check("backward")
-            live["pending"] = live["pending"][-2:]  # the oldest retired
-            live["gathered"].discard(i)
     return best
 
 
-def _unit_sizes(cfg, t: int = 1) -> list[list[int]]:
-    """The parameters' sizes of each ZeRO-3 unit on one of t TP ranks, in forward order."""
-    sizes, per_block = memory.chunk_params(cfg, t, cfg.n_layer, True, True), len(
-        memory.block_params(cfg))
-    return [sizes[:1], sizes[1:2]] + [sizes[2 + k * per_block: 2 + (k + 1) * per_block]
-                                      for k in range(cfg.n_layer)] + [sizes[-4:-2], sizes[-2:]]
+def _zero3_units(cfg, par, b: int, pp_rank: int = 0):
+    """ZeRO-3's units on one TP rank of pipeline stage pp_rank, in forward order: (each unit's
+    parameters' sizes, what each saves in a forward of micro-batch b, {chunk: its units' indices},
+    what the loss saves and what of it outlives its node (autograd_events.loss_held))."""
+    e, layers = memory.element_bytes(par.precision), memory.chunk_layers(cfg, par)
+    sizes, saved, span = [], [], {}
+    held = autograd_events.loss_held(cfg, b, par.tp, e)
+    for c in range(pp_rank, len(layers), par.pp):
+        first, last, k = c == 0, c == len(layers) - 1, layers[c]
+        events = autograd_events.backward_events(cfg.replace(n_layer=k), b, e, par.recompute,
+                                                 par.tp, par.sequence_parallel)
+        units = memory.unit_params(cfg, par.tp, k, first, last)
+        span[c] = range(len(sizes), len(sizes) + len(units))
+        sizes += units
+        saved += [events[-1][0], events[-2][0]] * first + \
+            [sum(freed for freed, _ in events[3:-2]) // k] * k + \
+            [events[2][0], events[1][0] - held] * last
+    return sizes, saved, span, events[0][0], held
 
 
 def _in_shard(sizes: list[int], n: int, rank: int) -> int:

@@ -219,6 +219,24 @@ class Zero3:
         self._comm.shutdown()
 
 
+def unit_events(spans: dict, op: str, chunk: int, gathered: set):
+    """Zero3's gathers and frees in one pipeline action, as its hooks run them (what the memory
+    predictions walk: memory.zero3_gathered, step_memory). spans: {chunk: range of its units'
+    indices} of a rank, its units numbered in forward order; op "F" or "B" of `chunk`; gathered:
+    the units gathered now, updated in place (a prefetch may outlive the action). Yields ("gather",
+    i) as unit i is gathered, before its forward (backward) or prefetched, the next unit in forward
+    (the one before in backward) whichever chunk it is in; then (op, i) as its forward ends (its
+    gradients are in), before it is freed."""
+    units, step = sum(len(r) for r in spans.values()), 1 if op == "F" else -1
+    for i in spans[chunk][::step]:
+        for j in (i, i + step):
+            if 0 <= j < units and j not in gathered:
+                gathered.add(j)
+                yield "gather", j
+        yield op, i
+        gathered.discard(i)
+
+
 def _reduce_into(shard: torch.Tensor, grads: torch.Tensor, group, ops, out: torch.Tensor) -> None:
     """On the communication thread: reduce-scatter `grads` into `out` and add it to `shard` (both
     allocated by the caller); `out` and `grads` are freed as the job ends."""

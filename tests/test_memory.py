@@ -90,8 +90,6 @@ def test_model_states_by_the_zero_formulas():
     half = memory.predict(ODD, ParallelConfig(dp=2, zero=3, precision="bf16", reduce_fp32=False),
                           BATCH)
     assert half["grads"] == fp["grads"] // 2  # the ZeRO paper's 16-bit gradients
-    with pytest.raises(NotImplementedError):
-        memory.predict(ODD, ParallelConfig(pp=2, zero=3), BATCH)
 
 
 PAPER = {  # ZeRO paper Table I, 7.5B parameters, K = 12: GB per device for stages 1, 2, 3
@@ -111,7 +109,8 @@ def test_zero_table_reproduces_the_paper(n_d):
 def _assert_peaks(cfg, layouts, batch: int) -> list[dict]:
     """Train `layouts` (one world size) in one launch and assert every rank's held peak, by category,
     equal to step_memory.predict_peak for its DP rank and stage, and its phase too without a pipeline
-    (the executor's phases are not named); returns the predictions."""
+    (the executor's phases are not named); and its tally equal to memory.predict's (`check`'s
+    rules); returns the predictions."""
     from minipar.mesh import Mesh
     from minipar.step_memory import predict_peak
     world, wants = layouts[0].world, []
@@ -124,6 +123,12 @@ def _assert_peaks(cfg, layouts, batch: int) -> list[dict]:
             got = ranks[r][i].step_memory["held"]
             assert {c: got[c] for c in keys} == {c: want[c] for c in keys}, (par.label, r)
             wants.append(want)
+            tally = memory.predict(cfg, par, batch, rank=at.dp_rank, pp_rank=at.pp_rank)
+            measured = ranks[r][i].memory
+            for c in ("params", "grads", "comm", "activations"):
+                assert measured[c] == tally[c], (par.label, r, c)
+            extra = measured["optimizer"] - tally["optimizer"]  # AdamW's step counters
+            assert extra % 4 == 0 and 0 <= extra <= 4 * N_TENSORS, (par.label, r, extra)
     return wants
 
 
@@ -169,24 +174,32 @@ def test_the_step_peak_with_tensor_parallelism_is_predicted_to_the_byte():
 
 
 def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
-    """ZeRO-1/2 with a pipeline (dp 2 x pp 2): each stage walks its schedule's actions, a forward
+    """ZeRO with a pipeline (dp 2 x pp 2): each stage walks its schedule's actions, a forward
     saving its chunk's activations, a backward freeing them node by node while its gradients fill
     the stage's buckets; the step runs in no_sync, so ZeRO-1 reduces only in finish and ZeRO-2
     every micro-batch; ZB-H1's W gives a chunk's gradients module by module
-    (autograd_events.weight_order), its graph freed at W's end. GPipe, 1F1B, interleaved 1F1B and
-    ZB-H1, every DP mode, bf16 with 16-bit gradients, recomputation, and with TP (and SP) too, dp 2
-    x tp 2 x pp 2, GPT and Llama shapes; every rank (the walk's: its DP rank and stage)."""
+    (autograd_events.weight_order), its graph freed at W's end. ZeRO-3 gathers and frees the
+    stage's units action by action, a prefetch crossing into the rank's other chunk with
+    interleaving (held until its turn). GPipe, 1F1B, interleaved 1F1B and ZB-H1, every DP mode,
+    bf16 with 16-bit gradients, recomputation, and with TP (and SP) too, dp 2 x tp 2 x pp 2, GPT
+    and Llama shapes, dp 3; every rank (the walk's: its DP rank and stage)."""
     batch = 16
     cases = [ParallelConfig(dp=2, pp=2, zero=z, microbatches=4, **kw) for z in (1, 2) for kw in (
         dict(bucket_mb=0.05), dict(schedule="gpipe", dp_mode="naive"),
         dict(schedule="interleaved-1f1b", virtual_stages=2, bucket_mb=0.05),
         dict(schedule="zb-h1", bucket_mb=0.05))]
-    cases += [ParallelConfig(dp=2, pp=2, zero=2, microbatches=2, precision="bf16", reduce_fp32=False,
-                             recompute="full", bucket_mb=0.05)]
+    cases += [ParallelConfig(dp=2, pp=2, zero=3, microbatches=4, schedule=s,
+                             virtual_stages=1 + (s == "interleaved-1f1b"))
+              for s in ("gpipe", "1f1b", "interleaved-1f1b")]
+    cases += [ParallelConfig(dp=2, pp=2, zero=z, microbatches=2, precision="bf16", reduce_fp32=False,
+                             recompute=rc, bucket_mb=0.05 if z == 2 else 25)
+              for z, rc in ((2, "full"), (3, "selective"))]
     short = ODD.replace(seq_len=8)  # activations far below the buffers: the ring's space decides
     with_tp = [ParallelConfig(dp=2, tp=2, pp=2, zero=z, microbatches=4, sequence_parallel=z == 2,
                               bucket_mb=0.05, schedule=schedule) for z in (1, 2)
-               for schedule in ("1f1b", "zb-h1")]
+               for schedule in ("1f1b", "zb-h1")] + \
+        [ParallelConfig(dp=2, tp=2, pp=2, zero=3, microbatches=4, schedule="interleaved-1f1b",
+                        virtual_stages=2)]
     llama = GPTConfig.preset("llama-tiny", vocab_size=98)  # W's order decides its buckets' peak
     llama_zb = [ParallelConfig(dp=2, tp=2, pp=2, zero=2, microbatches=4, schedule="zb-h1",
                                sequence_parallel=True, bucket_mb=0.02, precision="bf16")]
@@ -194,6 +207,9 @@ def test_the_step_peak_of_a_pipeline_stage_with_zero_is_predicted_to_the_byte():
                                                                bucket_mb=0.2) for z in (1, 2)]),
                          (ODD.replace(vocab_size=98), with_tp), (llama, llama_zb)):
         _assert_peaks(cfg, layouts, batch)
+    odd_dp = ParallelConfig(dp=3, pp=2, zero=3, microbatches=4, schedule="interleaved-1f1b",
+                            virtual_stages=2, precision="bf16")
+    _assert_peaks(llama, [odd_dp], 24)
 
 
 LLAMA_SHAPE = dict(mlp="swiglu", n_kv_head=2, ffn_hidden=128)

@@ -176,7 +176,10 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
     units = [memory.rank_units(cfg, par.tp, layers, par.pp, r) for r in range(par.pp)]
     params = [memory.rank_units(cfg, par.tp, layers, par.pp, r, of=memory.chunk_params)
               for r in range(par.pp)]  # ZeRO-1/2's buckets are cut from them
-    states = [memory.rank_states(par, units[r], per, 0, params[r]) for r in range(par.pp)]
+    gathered = [memory.zero3_gathered(cfg, par, r, layers) if par.zero == 3 else None
+                for r in range(par.pp)]
+    states = [memory.rank_states(par, units[r], per, 0, params[r], gathered[r])
+              for r in range(par.pp)]
     return [memory.by_category(states[r], peaks[r]) for r in range(par.pp)]
 
 
