@@ -18,19 +18,17 @@ def backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
     arrives with the embedding's, last. Selective recomputation of the fused core saves what the
     core itself would: the same events. Full recomputation keeps only a block's input, freed by its
     last node (ln1); what its re-run forward saves lives inside the block's backward, among
-    autograd's temporaries (the tracker's count, as measured). Under TP the vocab-parallel loss
-    keeps its fp32 softmax shard and 9 s b bytes (the local targets, int64, and their
-    mask), and the vocab-parallel embedding its local ids and mask (9 s b); TP's f and g operators
-    save nothing. The vocab-parallel loss turns its saved softmax into the logits' gradient in
-    place, so that shard lives on until the head's node (`loss_held`). With SP the head's input is
-    the sequence shard (tensor_parallel's _GatherThenLinears gathers it again in backward)."""
-    s, h, V, L = cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer
+    autograd's temporaries (the tracker's count, as measured). The loss saves what
+    memory.loss_bytes says (under TP its fp32 softmax shard, turned in place into the logits'
+    gradient, which lives on to the head's node), the vocab-parallel embedding its local ids and
+    mask (9 s b); TP's f and g operators save nothing. With SP the head's input is the sequence
+    shard (tensor_parallel's _GatherThenLinears gathers it again in backward)."""
+    s, h, L = cfg.seq_len, cfg.d_model, cfg.n_layer
     x, st, per = s * b * h * e // (t if sp else 1), 2 * s * b * e // (t if sp else 1), \
         len(memory.block_params(cfg))
     top = 2 + per * L  # ln_f's weight
-    held = loss_held(cfg, b, t, e)  # the vocab-parallel loss's softmax, the logits' gradient
-    loss, ids = (4 * s * b * V + 4 + 8 * s * b, 8 * s * b) if t == 1 else \
-        (4 * s * b * V // t + 9 * s * b - held, 9 * s * b)
+    saved, held = memory.loss_bytes(cfg, b, t, e)  # held: the logits' gradient, under TP
+    loss, ids = saved - held, 8 * s * b if t == 1 else 9 * s * b
     head = [top + 2, top + 3] if sp else [top + 3, top + 2]  # (_GatherThenLinears: weight first)
     events = [(loss, []), (x + held, [] if cfg.tie_embeddings else head),
               (x + st, [top, top + 1])]
@@ -40,13 +38,6 @@ def backward_events(cfg, b: int, e: int, recompute: str = "none", t: int = 1,
             block = [(0, params) for _, params in block[:-1]] + [(x, block[-1][1])]
         events += block
     return events + [(8 * s, [1]), (ids, [0])]
-
-
-def loss_held(cfg, b: int, t: int, e: int) -> int:
-    """Bytes of the loss's saved tensors that outlive its backward node: under TP its fp32 softmax
-    shard, returned in place as the logits' gradient and freed by the head's node; with 16-bit
-    logits (e = 2) the cast back to them (the loss runs in fp32) frees it first."""
-    return 0 if t == 1 or e != 4 else 4 * cfg.seq_len * b * cfg.vocab_size // t
 
 
 def block_events(cfg, b: int, e: int, o: int, recompute: str = "none", t: int = 1,
@@ -85,8 +76,8 @@ def stage_ops(cfg, par, b: int, pp_rank: int) -> list[tuple[str, list]]:
     """The step of pipeline stage `pp_rank` as [(op, events)]: "F" saves the bytes its chunk's
     `backward_events` free, "B" runs them (parameter indices those of the stage's chunks, in
     order: memory.rank_units). A split backward (zb-h1) keeps the chunk's graph from B to W: its B
-    frees only the loss's node (B keeps each weight owner's output, the loss itself is dropped),
-    its W gives every gradient (`weight_order`) and frees the rest at its end. Without a pipeline,
+    frees only what the loss saved, its W gives every gradient (`weight_order`) and frees the rest
+    at its end. Without a pipeline,
     forward then backward, micro-batch after micro-batch. A chunk's events are the model's cut to
     its layers: the loss, head and ln_f on the last chunk only, the embeddings on the first only."""
     e, layers = memory.element_bytes(par.precision), memory.chunk_layers(cfg, par)
@@ -126,7 +117,8 @@ def weight_order(cfg, layers: int, first: bool, last: bool, t: int = 1,
     the attention owning q, k, v (which its forward uses through their weights: in reverse, or in
     the order SP's one node gives them: q's weight, k's, v's bias, q's bias, v's weight), ln2 and
     the MLP owning its column-parallel part (likewise). Then the embeddings, ln_f and the head (its
-    bias first, but with SP). Block-relative indices: block_params' order."""
+    bias first, but with SP; a tied head, which needs pp = 1, has none). Block-relative indices:
+    block_params' order."""
     per, top = len(memory.block_params(cfg)), 2 * first
     gelu = cfg.mlp != "swiglu"
     proj, mlp_proj, mlp = [8, 7], [14, 13] if gelu else [13], [12, 11] if gelu else [11, 12]

@@ -124,11 +124,9 @@ class ParallelConfig:
                              f"({self.microbatches}): every DP rank cuts its rows into that many "
                              "micro-batches")
         if self.zero == 3 and self.pp > 1 and self.schedule == "zb-h1":
-            raise ValueError("ParallelConfig.zero=3 does not combine with schedule='zb-h1': "
-                             "ZeRO-3 frees a unit's weights once its gradients are in and gathers "
-                             "them when backward reaches the unit's output, but a split backward's "
-                             "W runs each module's weight gradient on its own, later, and some "
-                             "need the weights (a LayerNorm's); use zero <= 2 or another schedule")
+            raise ValueError("ParallelConfig.zero=3 does not combine with schedule='zb-h1': its "
+                             "deferred weight gradients need weights ZeRO-3 has already freed; use "
+                             "zero <= 2 or another schedule")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs "
                              "schedule='interleaved-1f1b', "

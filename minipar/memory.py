@@ -150,36 +150,31 @@ def rank_units(cfg, t: int, layers: list[int], pp: int, pp_rank: int, of=None) -
     return [u for c in mine for u in of(cfg, t, layers[c], c == 0, c == n - 1)]
 
 
-def rank_actions(par, pp_rank: int = 0, m: int | None = None) -> list[tuple[str, int]]:
-    """(op, chunk) of a step of pipeline stage pp_rank (of m micro-batches, default par's): its
-    schedule's actions, or without a pipeline each micro-batch's forward and backward."""
-    m = m or par.microbatches
+def rank_actions(par, pp_rank: int = 0) -> list[tuple[str, int]]:
+    """(op, chunk) of stage pp_rank's step: its schedule's actions, or each micro-batch's F, B."""
     if par.pp == 1:
-        return [(op, 0) for _ in range(m) for op in "FB"]
-    return [(a.op, a.stage) for a in cached_schedule(par.schedule, par.pp, m,
+        return [(op, 0) for _ in range(par.microbatches) for op in "FB"]
+    return [(a.op, a.stage) for a in cached_schedule(par.schedule, par.pp, par.microbatches,
                                                      par.virtual_stages)[pp_rank]]
 
 
 def zero3_gathered(cfg, par, pp_rank: int = 0, layers: list[int] | None = None) -> int:
     """Elements ZeRO-3 holds gathered at most on a rank of stage pp_rank (`layers` per chunk, as
     `chunk_layers`), each unit padded to N shards: a unit and the next, prefetched; with interleaved
-    1F1B a prefetch into another chunk may keep a third (zero3.unit_events over the step, whose
-    pattern repeats after pp (2 v + 1) micro-batches: as many stand for more)."""
+    1F1B a prefetch into another chunk may keep a third (zero3.unit_events over the step)."""
     layers, full, spans, gathered, most = layers or chunk_layers(cfg, par), [], {}, set(), 0
     for c in range(pp_rank, len(layers), par.pp):
         units = chunk_units(cfg, par.tp, layers[c], c == 0, c == len(layers) - 1)
         spans[c] = range(len(full), len(full) + len(units))
         full += [par.dp * flat_shard(unit, par.dp, 0)[0] for unit in units]
-    steady = min(par.microbatches, par.pp * (2 * par.virtual_stages + 1))
-    for op, c in rank_actions(par, pp_rank, steady):
+    for op, c in rank_actions(par, pp_rank):
         for _ in unit_events(spans, op, c, gathered):
             most = max(most, sum(full[i] for i in gathered))
     return most
 
 
 def flat_shard(total: int, n: int, rank: int) -> tuple[int, int]:
-    """(shard length, real elements `rank` owns) of a flat buffer
-    padded to n equal shards (zero.py)."""
+    """(shard length, real elements `rank` owns) of a flat buffer padded to n shards (zero.py)."""
     shard = -(-total // n)
     return shard, max(0, min(total, (rank + 1) * shard) - rank * shard)
 
@@ -274,8 +269,8 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
                  ceil(B/N) for the largest bucket of B elements (naive: the largest parameter) |
                  stages 1, 2: none (they reduce-scatter in place, into the bucket's own shard,
                  and free the receive space once the step's reductions are done) | stage 3: the
-                 gathered units, at most two adjacent ones at a time, p (full_i + full_{i+1}) at
-                 the largest pair (interleaved 1F1B: a third may wait, `zero3_gathered`)
+                 gathered units at their most, p (full_i + full_{i+1}) at the largest adjacent
+                 pair, or with interleaved chunks up to three (`zero3_gathered`)
     Psi_pad is Psi with each flat buffer padded to a multiple of N: stages 1, 2 one per bucket
     (data_parallel.split; dp_mode "naive": one), stage 3 one per unit. Not counted, as the tally
     does not count them: the optimizer's step counters (4 bytes for each parameter, or piece of one,
@@ -363,20 +358,16 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     `pipeline.cached_schedule`); extra_per_layer: bytes a layer saves besides (the planner's
     materialised attention matrix)."""
     parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp,
-                        par.sequence_parallel,
-                        par.recompute)
+                        par.sequence_parallel, par.recompute)
     per_layer = parts["layers"] + extra_per_layer
     if par.pp == 1:
         return [per_layer * cfg.n_layer + parts["head"] + parts["tokens"]]
     chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
     layers = layers or chunk_layers(cfg, par)
     actions = actions or cached_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-    # targets: in "head"
     ids, targets = (8 * sb, 8 * sb) if t == 1 else (parts["tokens"] - 8 * cfg.seq_len, 0)
-    # what B frees when W comes later: the loss's saved tensors (with tp in fp32, its softmax slice
-    # becomes the head's output gradient in place, which W still holds; 16-bit logits free it)
-    loss = 4 * sb * cfg.vocab_size + 4 + targets if t == 1 else \
-        9 * sb + (4 * sb * cfg.vocab_size // t) * (element_bytes != 4)
+    saved, kept = loss_bytes(cfg, micro_batch, t, element_bytes)
+    loss = saved - kept  # what B frees when W comes later
     held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
     peaks = []
@@ -393,8 +384,17 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     return peaks
 
 
+def loss_bytes(cfg, b: int, t: int, e: int) -> tuple[int, int]:
+    """(bytes the loss saves for b sequences, those that outlive its backward node): t = 1,
+    F.cross_entropy's fp32 log-probabilities, weight sum and int64 targets; t > 1, the vocab-
+    parallel fp32 softmax shard (returned in place as the logits' gradient, alive to the head's
+    node unless 16-bit logits, e = 2, cast it back first), the local targets and their mask."""
+    sb, V = cfg.seq_len * b, cfg.vocab_size
+    shard = 4 * sb * V // t
+    return (4 * sb * V + 4 + 8 * sb, 0) if t == 1 else (shard + 9 * sb, shard * (e == 4))
+
+
 def predict_ranks(cfg, par, global_batch: int) -> list[dict]:
-    """`predict` for every rank of the layout (ZeRO's shard is the rank's place in its DP group),
-    in rank order."""
+    """`predict` for every rank of the layout, in rank order (ZeRO's shard: its DP rank's)."""
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
     return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]

@@ -19,10 +19,10 @@ free. Both keep what they hold deterministic (a new buffer waits for the older o
 which is what makes the peak predictable to the byte. ZeRO-1/2 hold their ring's receive space
 only from the step's first reduction to its end, and ZeRO-2 its reduced shards from their first
 reduction to zero_grad. Covered: ZeRO 1-3 with TP, SP and recomputation (what each node keeps,
-and the order in which autograd finishes the gradients: minipar/autograd_events.py), ZeRO-1/2 on a
-pipeline stage too (its schedule's actions walked, zb-h1's W too); without ZeRO, any layout
-(`zero0_peak`: TP, SP, pipelines and recomputation keep the same two moments); else
-NotImplementedError. A TP rank walks its own shards; its DP rank (`rank`) decides its ZeRO shards.
+and the order in which autograd finishes the gradients: minipar/autograd_events.py), on a pipeline
+stage too (its schedule's actions walked, zb-h1's W too); without ZeRO, any layout (`zero0_peak`:
+TP, SP, pipelines and recomputation keep the same two moments). A TP rank walks its own shards;
+its DP rank (`rank`) decides its ZeRO shards.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
                  tally: dict | None = None) -> dict:
     """{category: bytes} of DP rank `rank` of pipeline stage `pp_rank` at its step's peak (the
     categories of memory.predict, whose tally adds each category's most and may exceed it), and
-    "phase": "forward" (a forward's end), "backward" (a buffer made in backward) or "step" (after
-    backward). tally: memory.predict's for that rank, if at hand (the planner's stages)."""
+    "phase": "forward" (during a forward), "backward" (a buffer made in backward) or "step" (after
+    backward). tally: memory.predict's for that rank, if at hand (the planner's stages; ZeRO-3's
+    walk counts everything itself)."""
     if par.zero == 3:
         return _zero3_peak(cfg, par, global_batch, rank, pp_rank)
     tally = dict(tally or memory.predict(cfg, par, global_batch, rank=rank, pp_rank=pp_rank))
@@ -47,9 +48,9 @@ def predict_peak(cfg, par, global_batch: int, rank: int = 0, pp_rank: int = 0,
     return zero0_peak(tally, par, _sizes(cfg, par, pp_rank))
 
 
-def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict] | None:
+def stage_peaks(cfg, par, b: int, layers, tallies: list[dict]) -> list[dict]:
     """`predict_peak` of DP rank 0 of each pipeline stage (micro-batches of b, `layers` per chunk,
-    memory.predict's `tallies`), None where it has none. A step repeats itself after 3 micro-batches
+    memory.predict's `tallies`). A step repeats itself after 3 micro-batches
     (ZeRO-1 accumulates to the last, 2 and 3 reduce each alike), 1F1B and interleaved after warm-up,
     pp (2 v + 1) (GPipe's activations grow with m): as many stand for any more (tests check)."""
     if par.zero == 0:
@@ -117,7 +118,7 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int, pp_rank: int = 0) -> dic
     once its gradients are in (its activations all freed), they are flattened (g N shard), reduced
     into a landing shard (g shard) while at most two reductions before it are still held, and the
     unit freed. The step's first reduction makes the ring's receive space, each unit's
-    first its gradient shard (kept to the step). Every allocation is a moment to check."""
+    first its gradient shard (kept until zero_grad). Every allocation is a moment to check."""
     # long: one pass over the step's events, a line or two each, as zero3.Zero3 runs them
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     p, g, n = per["params"], per["grads"], par.dp
@@ -170,10 +171,10 @@ def _zero3_peak(cfg, par, global_batch: int, rank: int, pp_rank: int = 0) -> dic
 def _zero3_units(cfg, par, b: int, pp_rank: int = 0):
     """ZeRO-3's units on one TP rank of pipeline stage pp_rank, in forward order: (each unit's
     parameters' sizes, what each saves in a forward of micro-batch b, {chunk: its units' indices},
-    what the loss saves and what of it outlives its node (autograd_events.loss_held))."""
+    what the loss saves and what of it outlives its node (memory.loss_bytes))."""
     e, layers = memory.element_bytes(par.precision), memory.chunk_layers(cfg, par)
     sizes, saved, span = [], [], {}
-    held = autograd_events.loss_held(cfg, b, par.tp, e)
+    held = memory.loss_bytes(cfg, b, par.tp, e)[1]
     for c in range(pp_rank, len(layers), par.pp):
         first, last, k = c == 0, c == len(layers) - 1, layers[c]
         events = autograd_events.backward_events(cfg.replace(n_layer=k), b, e, par.recompute,

@@ -9,8 +9,9 @@ default, where every micro-batch's shard adds up) and the unit freed. What a col
 allocated on the main thread before it is handed to the communication thread.
 
 Cost per rank, for P parameters in fp32, N ranks:
-  memory    4P/N params + 4P/N grads + 8P/N optimizer, + two gathered units at most
-            (+ up to N-1 padding elements per unit)
+  memory    4P/N params + 4P/N grads + 8P/N optimizer, + two gathered units at most (three
+            with interleaved pipeline chunks: memory.zero3_gathered) (+ up to N-1 padding
+            elements per unit)
   traffic   all-gather in forward + all-gather in backward + reduce-scatter: 3 Psi (1.5x DP's),
             per micro-batch (with gradient accumulation it gathers again for each)
 """
@@ -212,7 +213,7 @@ class Zero3:
 
     @property
     def comm_bytes(self) -> int:
-        """The gathered parameters at their peak: a unit and the next one, prefetched."""
+        """The gathered parameters at their peak (memory.zero3_gathered predicts it)."""
         return self.peak_gathered_bytes
 
     def close(self) -> None:

@@ -29,8 +29,7 @@ def reference():
 def test_recomputation_trains_the_same_model_with_the_predicted_memory(par, reference):
     res = minipar.train(TINY, par, **KW)
     assert_same_training(res, reference)
-    if res.predicted_memory:  # memory.predict covers pp = 1
-        assert [m["activations"] for m in res.peak_memory] == [m["activations"] for m in res.predicted_memory]
+    assert [m["activations"] for m in res.peak_memory] == [m["activations"] for m in res.predicted_memory]
     if par.recompute == "full":  # a layer keeps its input only: s b h e (/t with SP) instead of ~16 s b h e
         assert max(m["activations"] for m in res.peak_memory) < 0.25 * reference.peak_memory[0]["activations"]
 
