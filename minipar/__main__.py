@@ -262,7 +262,8 @@ def run_lessons(args) -> None:
         raise ValueError(f"{args.folder!r} exists and is not empty: choose a new folder")
     shutil.copytree(dataset.lessons_dir(), args.folder, ignore=shutil.ignore_patterns("__*"),
                     dirs_exist_ok=True)
-    print(f"{len(os.listdir(args.folder))} notebooks copied to {args.folder}: "
+    count = sum(name.endswith(".ipynb") for name in os.listdir(args.folder))
+    print(f"{count} notebooks copied to {args.folder} (README.md: the map): "
           f"jupyter lab {args.folder}")
 
 

@@ -72,6 +72,7 @@ def test_the_installed_wheel_trains_runs_a_lesson_and_samples(venv, tmp_path):
     assert Path(where[1]) == site / "minipar" / "bundled" / "data" / "shakespeare.txt"
     assert Path(where[2]) == site / "minipar" / "bundled" / "notebooks"
     assert Path(where[1]).is_file() and (Path(where[2]) / LESSON).is_file()
+    assert (Path(where[2]) / "README.md").is_file()  # the series' first page travels with them
     assert (Path(where[1]).parent / "prepare_shakespeare.py").is_file()  # the error names it
 
     out = _run([python, "-m", "minipar", "train", "--steps", "5", "--plot", "", "--save", "ck.pt"],
