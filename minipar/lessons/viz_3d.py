@@ -3,7 +3,9 @@
     rank_grid(mesh, labels)           the dp x tp x pp grid: one box per global rank, a row per
                                       pipeline stage, coloured by stage, columns grouped
                                       by data-parallel replica
-    throughput(labels, tokens, sent)  tokens/s and bytes sent per rank and step, one bar per layout
+    throughput(labels, tokens, sent, predicted)
+                                      tokens/s and bytes sent per rank and step, one bar per layout;
+                                      the predicted bytes as a black tick on each bar
 """
 from __future__ import annotations
 
@@ -66,9 +68,10 @@ def rank_grid(mesh, labels: dict[int, str], title: str = "") -> Figure:
 
 
 def throughput(labels: list[str], tokens_per_s: list[float], sent: list[float] | None = None,
-               title: str = "") -> Figure:
+               title: str = "", predicted: list[float] | None = None) -> Figure:
     """Tokens per second of each layout (bars) and, if given, the bytes each rank sends per step
-    (right panel, the mean over ranks), with the values written on the bars."""
+    (right panel, the mean over ranks, measured), with the values written on the bars; `predicted`
+    (bytes, the same mean from the formulas) draws a black tick on each bar of that panel."""
     panels = 2 if sent is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 0.8 + 0.32 * len(labels)),
                              squeeze=False,
@@ -78,12 +81,20 @@ def throughput(labels: list[str], tokens_per_s: list[float], sent: list[float] |
     if sent is not None:
         series.append(([b / 2**10 for b in sent], "KiB sent per rank per step (mean)", "{:,.0f}"))
     for ax, (values, xlabel, fmt) in zip(axes[0], series):
-        ax.barh(y, values, 0.6, color=STAGE_COLOURS[0] if ax is axes[0, 0] else STAGE_COLOURS[1])
+        ax.barh(y, values, 0.6, color=STAGE_COLOURS[0] if ax is axes[0, 0] else STAGE_COLOURS[1],
+                label="measured")
         for i, v in enumerate(values):
             ax.text(v, i, " " + fmt.format(v), va="center", fontsize=7)
         ax.set_xlabel(xlabel)
         ax.set_xlim(0, 1.2 * max(values) if max(values) > 0 else 1)
         ax.grid(axis="x", alpha=0.3)
+    if sent is not None and predicted is not None:
+        ax = axes[0, 1]
+        kib = [b / 2**10 for b in predicted]
+        ax.scatter(kib, y, marker="|", s=250, linewidths=2, color="black", zorder=3,
+                   label="predicted")
+        ax.set_xlim(0, 1.2 * max(kib + [b / 2**10 for b in sent] + [1e-9]))
+        ax.legend(loc="lower right", fontsize=7)
     axes[0, 0].set_yticks(y, labels, fontsize=8)
     axes[0, 0].invert_yaxis()
     if title:

@@ -2,8 +2,8 @@
 
 Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the
 batch into m micro-batches; activations travel forward from stage to stage and their gradients
-travel back, so that stages work on different micro-batches at once (GPipe, Huang et al. 2019; 1F1B,
-interleaving: Narayanan et al. 2021; the B/W split: Qi et al. 2023). The order of the work is the
+travel back, so that stages work on different micro-batches at once (GPipe; 1F1B; interleaving;
+the B/W split: schedules.py cites each). The order of the work is the
 schedule, which is data (`minipar.pipeline.schedules`); this file executes any valid one.
 
     chunk k of p·v lives on pipeline rank k % p        (v = 1:  rank 0 | rank 1 | ... | rank p-1)

@@ -8,12 +8,13 @@ micro-batches' activations a rank must keep (memory). Simplest first, p ranks, m
 T_B, T_W per micro-batch:
 
     gpipe             all F, then all B (Huang et al. 2019). Bubble (p-1)/m of the ideal time, i.e.
-                      a fraction (p-1)/(m+p-1) of the step; every rank keeps
-                      m micro-batches' activations.
-    1f1b              PipeDream-Flush (Narayanan et al. 2021): rank r runs p-1-r forwards (warm-up),
-                      then alternates one F and one B, then drains its Bs (cool-down). Same bubble
-                      as GPipe, but rank r keeps at most p-r micro-batches: activation memory
-                      bounded by p, not m.
+                      a fraction (p-1)/(m+p-1) of the step; every rank keeps m micro-batches'
+                      activations (GPipe's paper recomputes them: here recompute="full").
+    1f1b              1F1B (PipeDream, Harlap et al. 2018), synchronous with a flush as
+                      PipeDream-Flush (Narayanan et al., ICML 2021) and Megatron-LM run it: rank r
+                      runs p-1-r forwards (warm-up), then alternates one F and one B, then drains
+                      its Bs (cool-down). Same bubble as GPipe, but rank r keeps at most p-r
+                      micro-batches: activation memory bounded by p, not m.
     interleaved-1f1b  Megatron's interleaved schedule (Narayanan et al. 2021): each rank holds v
                       chunks (chunk k on rank k % p), so a micro-batch goes round the ranks v times
                       and the fill and drain are v times shorter: bubble (p-1)/(v·m) of the ideal
