@@ -18,6 +18,7 @@ import html
 import io
 import json
 import statistics
+import time
 
 import matplotlib.pyplot as plt
 
@@ -48,12 +49,13 @@ def text(s: str) -> dict:
 
 
 def png(fig) -> dict:
-    """A figure as an Output widget's output (PNG), and closed: set
-    from any thread, in any kernel."""
+    """A figure as an Output widget's output (PNG), and closed: set from any thread, in any kernel.
+    Drawn at 120 dpi, shown at 72 px an inch: the dashboard's layout, sharp on any screen."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=72)
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    return {"output_type": "display_data", "metadata": {},
+    width = round(fig.get_figwidth() * 72)
+    return {"output_type": "display_data", "metadata": {"image/png": {"width": width}},
             "data": {"image/png": base64.b64encode(buf.getvalue()).decode(),
                      "text/plain": "<Figure>"}}
 
@@ -110,6 +112,15 @@ def ab(a, b) -> str:
             f"</tr>{cells}</table>")
 
 
+def _calibration(est) -> str:
+    """How old the calibration is that `est` was timed with (this machine's cores and gloo)."""
+    cpu = est.cluster.cpu
+    if cpu is None or not cpu.measured_at:
+        return "calibrated at an unknown time" if cpu else "a GPU preset, not this machine"
+    return (f"this machine calibrated {(time.time() - cpu.measured_at) / 60:.0f} min ago "
+            "(planner.this_machine(refresh=True) measures it again)")
+
+
 def measured(est, res) -> list[dict]:
     """A run's measurements beside `est`'s predictions: memory of every rank (`memory.predict`, per
     rank: the planner's per-stage figure is its DP rank 0, the fullest
@@ -119,8 +130,10 @@ def measured(est, res) -> list[dict]:
     predicted = res.predicted_memory or [est.stages[c.pp_rank] for c in coords]
     pairs = {f"rank {r}": pair for r, pair in enumerate(zip(predicted, res.peak_memory))}
     steps = res.step_times[1:] or res.step_times
+    median = statistics.median(steps)
     out = [text(f"{res.summary()}\nstep: predicted {est.step_time * 1e3:.1f} ms, measured "
-                 f"{statistics.median(steps) * 1e3:.1f} ms (median of {len(steps)})"),
+                f"{median * 1e3:.1f} ms (median of {len(steps)}), measured / predicted "
+                f"{median / est.step_time:.2f}; {_calibration(est)}"),
            png(viz.memory_compare({"predicted (left) and measured (right)": pairs},
                                   title="memory per rank"))]
     if par.pp > 1:  # the last step's pipeline of replica 0, measured, over the predicted one
@@ -130,10 +143,10 @@ def measured(est, res) -> list[dict]:
         predicted = est.timeline
         fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True,
                                  layout="constrained")
-        viz_pipeline.gantt(predicted, ax=axes[0], title="predicted: "
-                                                        f"{predicted.makespan * 1e3:.1f} ms")
-        viz_pipeline.gantt(measured, ax=axes[1], title="measured (last step): "
-                                                       f"{measured.makespan * 1e3:.1f} ms")
+        viz_pipeline.gantt(predicted, ax=axes[0], unit="s",
+                           title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
+        viz_pipeline.gantt(measured, ax=axes[1], unit="s",
+                           title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
         axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
         out.append(png(fig))
     return out
@@ -159,8 +172,8 @@ def plots(est, best, pinned) -> list[dict]:
     if boxes > MAX_BOXES:
         return out + [text(f"(the Gantt chart is left out: {boxes} actions to draw)")]
     tl = est.timeline
-    title = f"{est.label}, simulated (s): bubble {tl.bubble:.1%}"
-    return out + [png(viz_pipeline.gantt(tl, title=title))]
+    title = f"{est.label}, simulated: bubble {tl.bubble:.1%}"
+    return out + [png(viz_pipeline.gantt(tl, title=title, unit="s"))]
 
 
 def sweep(knob: str, points: list, current) -> list[dict]:

@@ -106,18 +106,23 @@ def gantt(timeline, ax=None, title: str | None = None, unit: str | None = None) 
         for a, s, e in rank:
             ax.barh(r, e - s, left=s, height=0.8, color=_PIPELINE[a.op], ec="white", lw=0.5,
                     hatch=_CHUNK_HATCH[(a.stage // p) % len(_CHUNK_HATCH)])
-            if e - s >= span / 150:  # label only boxes wide enough to read
+            if e - s >= span / 90:  # label only boxes wide enough to read
                 ax.text((s + e) / 2, r, str(a.microbatch), ha="center", va="center", color="white",
-                        fontsize=7 if e - s >= span / 60 else 5)
+                        fontsize=7)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=8)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, span or 1)
-    ax.set_xlabel(f"time ({unit})" if unit else "time")
+    ax.set_xlabel(f"time ({unit or 'the costs simulate was given: by default one F = 1'})")
     ops = [op for op in _PIPELINE
            if any(a.op == op for rank in timeline.events for a, _, _ in rank)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=_PIPELINE[op]) for op in ops]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#E6E6E6"))
-    ax.legend(handles, [*ops, "idle"], fontsize=8, ncols=len(handles), loc="lower right",
+    labels = [*ops, "idle"]
+    chunks = 1 + max((a.stage // p for rank in timeline.events for a, _, _ in rank), default=0)
+    for k in range(1, min(chunks, len(_CHUNK_HATCH))):  # interleaving: which chunk of the rank
+        handles.append(plt.Rectangle((0, 0), 1, 1, fc="grey", ec="white", hatch=_CHUNK_HATCH[k]))
+        labels.append(f"chunk {k + 1} of a rank")
+    ax.legend(handles, labels, fontsize=8, ncols=len(handles), loc="lower right",
               bbox_to_anchor=(1.0, 1.0))
     title = title or f"bubble {timeline.bubble:.1%}, {in_flight(timeline)}"
     ax.set_title(textwrap.fill(title, 80, break_on_hyphens=False), fontsize=10,

@@ -66,6 +66,7 @@ class CPU:
     copy_rate: float      # bytes/s
     share: float = 1.0    # a rank's speed while every rank runs a micro-step, over its speed alone
     links: tuple = ()     # (group size, meet s, s a ring step, bytes/s), per group size measured
+    measured_at: float = 0.0  # when, time.time() (0: not known)
 
     def link(self, n: int) -> tuple[float, float, float]:
         """(s to meet after compute, s a ring step, bandwidth) among n ranks:
@@ -216,7 +217,8 @@ def measure(world: int, reps: int = 7, timeout: float = 120.0) -> CPU:
     """Measure this machine for `world` local ranks (module docstring):
     one launch, a few seconds."""
     ranks = launch(calibrate_rank, world, reps, backend="gloo", timeout=timeout)
-    return with_links(None, [r["links"] for r in ranks], ranks[0]["machine"])
+    return dataclasses.replace(with_links(None, [r["links"] for r in ranks], ranks[0]["machine"]),
+                               measured_at=time.time())
 
 
 # ----------------------------------------------------------------------------- the cache
