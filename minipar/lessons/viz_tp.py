@@ -2,12 +2,17 @@
 
     splits(t)                      Megatron's cuts drawn: the MLP's A by columns and B by rows,
                                    attention by heads
+    loss_differences(ref, runs)    each layout's |loss - one process's| by step, log scale, beside
+                                   the tolerance and float32's rounding step
     activation_bars(runs)          predicted activation memory by part beside the measured total
     comm_compute(ratios, degrees)  TP's communication time over its compute time, per link, by t
+    block_timing(widths)           a TP block's forward + backward measured: collectives and the
+                                   rest, median and quartiles, ms
 """
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.figure import Figure
 
 RANK_COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -90,6 +95,40 @@ def splits(t: int = 2, heads: int = 4) -> Figure:
     return fig
 
 
+def loss_differences(reference: list[float], runs: dict[str, list[float]], rtol: float = 1e-5,
+                     title: str = "loss against one process") -> Figure:
+    """Left, the reference's loss by step; right, |loss - reference| for each of `runs` ({label:
+    losses}), log scale, beside rtol * reference (the tolerance, dashed) and the spacing of float32
+    numbers at the reference (one rounding step, dotted). An exact 0 cannot sit on a log axis: it
+    is drawn as a hollow marker on the floor, below every nonzero difference."""
+    ref = np.asarray(reference, dtype=np.float64)
+    steps = np.arange(1, len(ref) + 1)
+    diffs = {label: np.abs(np.asarray(losses, dtype=np.float64) - ref)
+             for label, losses in runs.items()}
+    ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
+    floor = min([d[d > 0].min() for d in diffs.values() if (d > 0).any()] + [ulp.min()]) / 10
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6), layout="constrained")
+    left.plot(steps, ref, "o-", color="black")
+    left.set(xlabel="step", ylabel="loss (nats/token)", title="one process")
+    right.plot(steps, rtol * ref, "--", color="black", label=f"tolerance: {rtol:g} × loss")
+    right.plot(steps, ulp, ":", color="grey", label="float32 rounding step at the loss")
+    width = 0.5 / max(1, len(diffs))
+    for k, ((label, d), colour) in enumerate(zip(diffs.items(), RANK_COLOURS * 2)):
+        x = steps + (k - (len(diffs) - 1) / 2) * width  # side by side within a step
+        right.plot(x[d > 0], d[d > 0], "o", color=colour, label=label)
+        right.plot(x[d == 0], np.full((d == 0).sum(), floor), "o", mfc="none", color=colour)
+    right.axhline(floor, color="grey", lw=0.5)
+    right.text(steps[0], floor * 1.3, "hollow: exactly equal (0)", fontsize=7, va="bottom")
+    right.set_yscale("log")
+    right.set(xlabel="step", ylabel="|loss − one process's| (nats/token)", title=title,
+              ylim=(floor / 2, 3 * rtol * ref.max()))
+    right.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for ax in (left, right):
+        ax.set_xticks(steps)
+        ax.grid(alpha=0.3, which="both")
+    return fig
+
+
 def activation_bars(runs: dict[str, tuple[dict, int]],
                     title: str = "activation memory per rank") -> Figure:
     """{label: (predicted bytes by part, measured bytes)}: the prediction stacked by part (hatched,
@@ -139,4 +178,31 @@ def comm_compute(
     axes[0, 0].set_ylabel("communication / compute")
     axes[0, -1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title)
+    return fig
+
+
+def block_timing(widths: dict[str, dict[str, tuple[float, float, float]]],
+                 title: str = "one TP block, forward + backward, measured") -> Figure:
+    """{label: {"comm": (q1, median, q3), "compute": (q1, median, q3)}} in seconds: per label a
+    bar for the collectives and one for the rest, at their median, whiskers from q1 to q3, in ms,
+    with comm / compute (of the medians) above."""
+    fig, ax = plt.subplots(figsize=(4.5 + 1.5 * len(widths), 4.2), layout="constrained")
+    top = 0.0
+    for x, (label, parts) in enumerate(widths.items()):
+        for dx, part, colour, name in ((-0.2, "comm", RANK_COLOURS[0], "f/g all-reduces"),
+                                       (0.2, "compute", RANK_COLOURS[1],
+                                        "the rest (matmuls, attention, GeLU, LayerNorms)")):
+            q1, med, q3 = (1e3 * v for v in parts[part])
+            ax.bar(x + dx, med, 0.38, color=colour, yerr=[[med - q1], [q3 - med]], capsize=4,
+                   label=name if x == 0 else None)
+        high = 1e3 * max(parts["comm"][2], parts["compute"][2])
+        top = max(top, high)
+        ax.text(x, high * 1.03, f"comm / compute\n{parts['comm'][1] / parts['compute'][1]:.2f}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(widths)), list(widths), fontsize=8)
+    ax.set_xlim(-0.6, len(widths) - 0.4)
+    ax.set_ylim(0, top * 1.35)
+    ax.set(ylabel="ms per forward + backward\n(median; whiskers: quartiles)", title=title)
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=1)
+    ax.grid(axis="y", alpha=0.3)
     return fig
