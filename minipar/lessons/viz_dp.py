@@ -2,8 +2,11 @@
 
     step_spans(spans)       one rank's measured spans (TrainResult.spans) cut into training steps
     compute_and_comm(runs)  per-rank Gantt chart of compute and communication, one panel per run
+    sync_sweep(series)      step, backward and exposed communication against all-reduces per step
 """
 from __future__ import annotations
+
+import statistics
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
@@ -71,5 +74,43 @@ def compute_and_comm(runs: dict[str, list[list[tuple[str, float, float]]]],
                       fontsize=8, ncols=4, loc="lower right", bbox_to_anchor=(1.0, 1.0))
     axes[-1, 0].set_xlim(0, longest * 1.01)
     axes[-1, 0].set_xlabel("time (ms)")
+    fig.suptitle(title)
+    return fig
+
+
+_PHASES = {"step": "step", "backward": "backward", "wait": "exposed communication (wait)"}
+
+
+def sync_sweep(series: dict[str, list[tuple[int, str, dict]]],
+               title: str = "gradient sync: messages and overlap") -> Figure:
+    """Median times (ms) with their interquartile range, one panel per phase of `_PHASES`, against
+    the all-reduces a step makes (log scale): {series label: [(messages, point label, {phase:
+    [seconds per repetition]})]}, e.g. one series for buckets launched after backward and one for
+    buckets overlapped with it, a point per bucket size. The first series' point labels are written
+    in the first panel; the x ticks are the message counts."""
+    fig, axes = plt.subplots(1, len(_PHASES), figsize=(11, 3.4), layout="constrained")
+    counts = sorted({m for points in series.values() for m, _, _ in points})
+    for k, ((label, points), marker) in enumerate(zip(series.items(), "os^D")):
+        points = sorted(points, key=lambda p: p[0])
+        for ax, phase in zip(axes, _PHASES):
+            ms = [[t * 1e3 for t in times[phase]] for _, _, times in points]
+            mid = [statistics.median(t) for t in ms]
+            q1, _, q3 = zip(*(statistics.quantiles(t, n=4) for t in ms))
+            err = [[m - lo for m, lo in zip(mid, q1)], [hi - m for m, hi in zip(mid, q3)]]
+            ax.errorbar([m for m, _, _ in points], mid, yerr=err, marker=marker, capsize=3,
+                        label=label)
+            if phase == "step" and k == 0:
+                for (m, name, _), y in zip(points, mid):
+                    ax.annotate(name, (m, y), fontsize=7, xytext=(5, -10),
+                                textcoords="offset points")
+    for ax, name in zip(axes, _PHASES.values()):
+        ax.set_xscale("log")
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set(xlabel="all-reduces per step (log scale)", ylabel="ms (median, IQR bars)",
+               title=name)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.suptitle(title)
     return fig
