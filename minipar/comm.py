@@ -23,8 +23,10 @@ for each call, or a `Scratch` that the caller owns and passes, which keeps it fo
 nothing else beyond the results.
 
 The chunk each rank sends and receives at each step is data (`ring_schedule`), the same data the
-lesson draws. Counting is explicit: a caller makes a `CommStats` and passes it (`stats=`) to what
-communicates, which adds the bytes it sends and the calls it makes, by collective.
+lesson draws; `all_reduce(..., observe=fn)` calls fn after each step with what arrived, so the
+lesson traces this very ring. Counting is explicit: a caller makes a `CommStats` and passes it
+(`stats=`) to what communicates, which adds the bytes it sends and the calls it makes, by
+collective.
 """
 from __future__ import annotations
 
@@ -168,7 +170,7 @@ def receive_numel(numel: int, n: int) -> int:
 
 
 def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=None, stats=None,
-          scratch: Scratch | None = None) -> None:
+          scratch: Scratch | None = None, observe=None) -> None:
     """Run ring phases over `chunks` (one per rank of the group, possibly uneven), in order.
 
     reduce-scatter: a partial sum arrives from the left (into scratch space), this rank adds its own
@@ -178,6 +180,10 @@ def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=N
 
     On gloo every receive is posted before the first send (`_posts_ahead`); messages between two
     ranks match in the order they were posted, which is the schedule's order.
+    observe(phase, step, chunk, value), if given, is called after each step (step from 1 in each
+    phase) with the chunk index that arrived and what this rank now holds of it: a partial sum in
+    reduce-scatter, the finished sum in all-gather. value is the ring's own buffer, which the next
+    step sends: read it, never change or keep it.
     """
     rank, n, ranks = _group_info(group)
     right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
@@ -191,7 +197,7 @@ def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=N
     ahead = _posts_ahead(group)
     recvs = [irecv(t, left, group) for t in landing] if ahead else [None] * len(plan)
     sends, ready = [], chunks[plan[0][1]]  # step 0 sends this rank's own chunk
-    for (phase, send_i, recv_i), incoming, recv in zip(plan, landing, recvs):
+    for i, ((phase, send_i, recv_i), incoming, recv) in enumerate(zip(plan, landing, recvs)):
         if ahead:  # ready holds chunk send_i: what arrived (and was added to) at the step before
             sends.append(isend(ready, right, group, kind, stats))
             wait(recv)
@@ -201,6 +207,8 @@ def _ring(chunks: list[torch.Tensor], phases: list[str], group, kind: str, out=N
             ready = incoming
         else:
             ready = torch.add(incoming, chunks[recv_i], out=out if recv_i == rank else incoming)
+        if observe is not None:
+            observe(phase, i % (n - 1) + 1, recv_i, ready)
     wait(*sends)
 
 
@@ -242,8 +250,10 @@ def all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
 
 
 def all_reduce(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
-               scratch: Scratch | None = None) -> torch.Tensor:
-    """Sum `tensor` in place across the group: ring reduce-scatter, then ring all-gather."""
+               scratch: Scratch | None = None, observe=None) -> torch.Tensor:
+    """Sum `tensor` in place across the group: ring reduce-scatter, then ring all-gather.
+    observe: called after each of the 2(N-1) ring steps (see `_ring`); None, the default, costs one
+    `is not None` test a step."""
     _record(stats, "all_reduce", calls=1)
     rank, n, _ = _group_info(group)
     if n == 1:
@@ -251,7 +261,7 @@ def all_reduce(tensor: torch.Tensor, group=None, stats: CommStats | None = None,
     flat = tensor.detach().contiguous().view(-1)  # a copy only when tensor is not contiguous
     chunks = torch.tensor_split(flat, n)
     phases = ["reduce-scatter", "all-gather"]
-    _ring(chunks, phases, group, "all_reduce", chunks[rank], stats, scratch)
+    _ring(chunks, phases, group, "all_reduce", chunks[rank], stats, scratch, observe)
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view_as(tensor))
     return tensor

@@ -196,3 +196,46 @@ def test_ring_schedule(n):
 def test_ring_schedule_rejects_unknown_phase():
     with pytest.raises(ValueError, match="phase"):
         comm.ring_schedule(4, "all-to-all")
+
+
+# ----------------------------------------------------------------------------- the ring, observed
+
+
+def check_trace(by_rank: list[dict], n: int, length: int) -> None:
+    """demos.ring_trace's record, by rank, against the schedule and an exact simulation: each rank's
+    observer saw 2(N-1) steps, each the chunk ring_schedule says arrives, holding the sum of the
+    ranks the simulation says (rank r contributes 2**r, so a sum is a bit mask of its ranks); the
+    last state is the all-reduce's result, every element 2**n - 1."""
+    sizes = split_sizes((length,), n)
+    plan = [(phase, s, step) for phase in ("reduce-scatter", "all-gather")
+            for s, step in enumerate(comm.ring_schedule(n, phase), start=1)]
+    masks = [[2**r] * n for r in range(n)]  # masks[rank][chunk]: the simulated sum
+    want = [[[[m] * k for m, k in zip(row, sizes)] for row in masks]]
+    for phase, _, step in plan:
+        sent = [masks[(r - 1) % n][step[r][1]] for r in range(n)]  # what the left one holds
+        for r in range(n):
+            masks[r][step[r][1]] = sent[r] | masks[r][step[r][1]] if phase == "reduce-scatter" \
+                else sent[r]
+        want.append([[[m] * k for m, k in zip(row, sizes)] for row in masks])
+    for r, trace in enumerate(by_rank):
+        assert len(trace["steps"]) == 2 * (n - 1), trace["steps"]
+        assert trace["steps"] == [(phase, s, step[r][1]) for phase, s, step in plan]
+        assert [state[r] for state in want] == trace["states"], r
+        final = [v for chunk in trace["states"][-1] for v in chunk]
+        assert final == trace["all_reduce"] == [2**n - 1] * length
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_observer_sees_comms_own_ring(n):
+    """comm.all_reduce's observer (through the lesson's worker) sees every step of the real ring."""
+    from minipar.lessons import demos
+    length = 2 * n + 1  # uneven chunks
+    by_rank = minipar.launch(demos.ring_trace, n, length, timeout=60)
+    check_trace(by_rank, n, length)
+    wrong = [dict(t, states=list(t["states"])) for t in by_rank]  # planted: one step's sum too full
+    wrong[0]["states"][1] = [[2**n - 1] * len(c) for c in wrong[0]["states"][1]]
+    with pytest.raises(AssertionError):
+        check_trace(wrong, n, length)
+    short = [dict(t, steps=t["steps"][:-1]) for t in by_rank]  # planted: a step missing
+    with pytest.raises(AssertionError):
+        check_trace(short, n, length)

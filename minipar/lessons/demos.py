@@ -92,37 +92,26 @@ def collective(name: str, length: int = 4, src: int = 0) -> dict:
 
 
 def ring_trace(length: int | None = None) -> dict:
-    """Step the ring all-reduce by hand, recording what this rank holds after every step.
+    """Run comm.all_reduce with an observer that records what this rank holds after every ring step.
 
-    Rank r contributes 2**r to every element, so a value is a bit mask of the ranks summed into
-    it (0b0101: ranks 0 and 2). The steps follow `comm.ring_schedule`, the same schedule comm's ring
-    runs, with a pause after each to look; then comm's own all_reduce and reduce_scatter run on the
-    same input. Returns {"steps": per step (start first), the mask of each chunk's first element,
-    "all_reduce": comm.all_reduce's result, "reduce_scatter": comm.reduce_scatter's}, as lists.
+    Rank r contributes 2**r to every element (default length: one element a chunk), so a value is
+    a bit mask of the ranks summed into it (0b0101: ranks 0 and 2). The observer sees each step of
+    comm's own ring (`comm._ring`): the chunk that arrived and its new value. Returns {"steps":
+    [(phase, step, chunk)] in the order observed, "states": per step (start first) the values this
+    rank holds of every chunk (its own input until something arrives), "all_reduce": the result}.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    length = length or n
-    x = torch.full((length,), 2 ** rank, dtype=torch.int64, device=_device())
-    work = x.clone()
-    chunks = list(torch.tensor_split(work, n))  # views into work, uneven when n does
-                                                #   not divide length
-    right, left = (rank + 1) % n, (rank - 1) % n
-    steps = [[int(c[0]) for c in chunks]]
-    for phase in ("reduce-scatter", "all-gather"):
-        for moves in comm.ring_schedule(n, phase):
-            send, recv = moves[rank]
-            incoming = torch.empty_like(chunks[recv])
-            ops = [dist.P2POp(dist.isend, chunks[send], right),
-                   dist.P2POp(dist.irecv, incoming, left)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-            if phase == "reduce-scatter":
-                chunks[recv].add_(incoming)  # reduce: add the partial sum that arrived
-            else:
-                chunks[recv].copy_(incoming)  # gather: take the finished chunk as it is
-            steps.append([int(c[0]) for c in chunks])
-    return {"steps": steps, "all_reduce": comm.all_reduce(x.clone()).tolist(),
-            "reduce_scatter": comm.reduce_scatter(x).tolist()}
+    x = torch.full((length or n,), 2 ** rank, dtype=torch.int64, device=_device())
+    held = [c.tolist() for c in torch.tensor_split(x, n)]  # this rank's view of each chunk
+    steps, states = [], [list(held)]
+
+    def observe(phase: str, step: int, chunk: int, value: torch.Tensor) -> None:
+        held[chunk] = value.tolist()  # a copy: value is the ring's buffer
+        steps.append((phase, step, chunk))
+        states.append(list(held))
+
+    result = comm.all_reduce(x.clone(), observe=observe)
+    return {"steps": steps, "states": states, "all_reduce": result.tolist()}
 
 
 def count_bytes(lengths: list[int]) -> list[dict]:
