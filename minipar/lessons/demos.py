@@ -260,54 +260,74 @@ def zero_memory(cfg, variants: list, steps: int = 2, global_batch: int = 8) -> l
     return train_layouts(variants, cfg=cfg, steps=steps, global_batch=global_batch)
 
 
-def zero3_trace(cfg="tiny", per_rank_batch: int = 2, collectives: str = "minipar") -> dict:
-    """One ZeRO-3 training step with every gather and free of `zero.Zero3` recorded, on this rank.
+def zero3_trace(cfg="tiny", per_rank_batch: int = 2, warmup: int = 1,
+                     collectives: str = "minipar") -> dict:
+    """One ZeRO-3 training step with every gather and free of `zero.Zero3` recorded, on this rank,
+    after `warmup` steps of the same model that are not (a process's first step makes AdamW's
+    moments and pays its one-time costs); every step starts at a barrier, so that the ranks start
+    it together (a rank that starts late makes the others wait in their first all-gather).
 
-    Zero3 does not log its events, so this wraps three methods of the one instance it builds (an
-    instance attribute shadows the class's method, and Zero3's hooks call them through `self`):
-    `_start_gather` (an all-gather is launched: a unit's full buffer is allocated), `_free` (it is
-    released) and `_gather` (the compute waits for a unit to arrive). Returns
+    Zero3 does not log its events, so this wraps three methods of the one instance it builds
+    (`_recorded`): `_start_gather` (an all-gather is launched: a unit's full buffer is allocated),
+    `_free` (it is released) and `_gather` (the compute waits for a unit to arrive). Returns
     {"units": names in forward order, "unit_bytes": each unit's gathered size,
      "events": [(what, unit, time, gathered bytes after)] with what "gather" or "free",
      "waits": [(unit, start, end)] time blocked in _gather, "phases": [(what, start, end)] for
-     forward, backward and step, "peak": Zero3.peak_gathered_bytes}; times in perf_counter seconds.
-    """
+     forward, backward and step, "peak": the recorded step's Zero3.peak_gathered_bytes,
+     "warmup_phases": each warm-up step's phases}; times in perf_counter seconds."""
     cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
     rank, world = dist.get_rank(), dist.get_world_size()
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     torch.manual_seed(0)
-    model = GPT(cfg).to(_device())
+    model = GPT(cfg).to(device)
     names = {id(m): name for name, m in model.named_modules()}
     zero = Zero3(model, None, collectives=collectives)
-    events, waits = [], []
-
-    def record(method: str, what: str):
-        original = getattr(zero, method)
-
-        def recorded(i: int) -> None:
-            before, start = zero.gathered_bytes, time.perf_counter()
-            original(i)
-            if what == "wait":
-                waits.append((i, start, time.perf_counter()))
-            elif zero.gathered_bytes != before:  # it did gather (or free) something
-                events.append((what, i, start, zero.gathered_bytes))
-        setattr(zero, method, recorded)
-
-    record("_start_gather", "gather"), record("_free", "free"), record("_gather", "wait")
-    x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
-    x, y = data.shard(x, rank, world).to(_device()), data.shard(y, rank, world).to(_device())
-    t0 = time.perf_counter()
-    loss = cross_entropy(model(x), y)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    zero.step()
+    events, waits, phases = [], [], []
+    for method, what in (("_start_gather", "gather"), ("_free", "free"), ("_gather", "wait")):
+        setattr(zero, method, _recorded(zero, getattr(zero, method), what, events, waits))
+    for step in range(warmup + 1):
+        x, y = data.global_batch("synthetic", step, per_rank_batch * world, cfg.seq_len,
+                                 cfg.vocab_size)
+        x, y = data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
+        events.clear()  # keep the last step's only
+        waits.clear()
+        zero.peak_gathered_bytes = zero.gathered_bytes  # 0: nothing is gathered between steps
+        dist.barrier()  # every rank starts the step together
+        if nccl:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        zero.step()
+        zero.zero_grad()
+        if nccl:
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        phases.append([("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)])
     zero.close()
     return {"units": [names[id(u.module)] for u in zero.units],
             "unit_bytes": [u.mine.params.numel() * world * u.mine.params.element_size()
                            for u in zero.units],
             "events": events, "waits": waits, "peak": zero.peak_gathered_bytes,
-            "phases": [("forward", t0, t1), ("backward", t1, t2),
-                       ("step", t2, time.perf_counter())]}
+            "phases": phases[-1], "warmup_phases": phases[:-1]}
+
+
+def _recorded(zero: Zero3, original, what: str, events: list, waits: list):
+    """`original` (a bound method of `zero` taking a unit's index), recording each call: "wait"
+    appends (unit, start, end) to `waits`; "gather" and "free" append (what, unit, start, gathered
+    bytes after) to `events` when the gathered bytes changed (it did gather or free something).
+    Set as an instance attribute, it shadows the class's method: Zero3's hooks call it."""
+    def recorded(i: int) -> None:
+        before, start = zero.gathered_bytes, time.perf_counter()
+        original(i)
+        if what == "wait":
+            waits.append((i, start, time.perf_counter()))
+        elif zero.gathered_bytes != before:
+            events.append((what, i, start, zero.gathered_bytes))
+    return recorded
 
 
 # ----------------------------------------------------------------------------- lesson 04

@@ -3,24 +3,17 @@
     zero_stages(table)    model states per device against N_d, per ZeRO stage (the paper's Table I)
     step_memory(...)      live bytes by category over one training step, one panel per layout
                           (lessons 01 and 02 draw their steps with it too)
-    gather_timeline(...)  ZeRO-3's gathers and frees over one step, and the gathered bytes held
-    warm_zero3_trace(...) the worker that records what gather_timeline draws, on a warm step (it
-                          belongs beside demos.zero3_trace, which times a cold first step)
+    gather_timeline(...)  ZeRO-3's gathers and frees over one step (`demos.zero3_trace` records
+                          them), and the gathered bytes held
 """
 from __future__ import annotations
 
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
-import torch
-import torch.distributed as dist
 from matplotlib.figure import Figure
 
-from minipar import data
 from minipar.memory import CATEGORIES
-from minipar.model import GPT, GPTConfig, cross_entropy
-from minipar.zero3 import Zero3
 
 
 def zero_stages(table: dict[int, dict[int, float]], paper: dict[int, tuple] | None = None,
@@ -103,7 +96,7 @@ def step_memory(timelines: dict[str, list], predicted: dict | None = None, ncols
 
 def gather_timeline(trace: dict, predicted_peak: int | None = None,
                     title: str = "ZeRO-3: when each unit's parameters are gathered") -> Figure:
-    """A `warm_zero3_trace` (or `demos.zero3_trace`) drawn. Top: one row per unit, a bar from the
+    """A `demos.zero3_trace` drawn. Top: one row per unit, a bar from the
     launch of its all-gather to its free (blue in forward, orange in backward), hatched red where
     the compute waited for it. Bottom: the gathered bytes held over time (MiB, against ms since the
     step began), with `predicted_peak` as a dashed line if given."""
@@ -142,67 +135,3 @@ def gather_timeline(trace: dict, predicted_peak: int | None = None,
     ax_b.grid(alpha=0.3)
     fig.suptitle(title)
     return fig
-
-
-def warm_zero3_trace(cfg="tiny", per_rank_batch: int = 2, warmup: int = 1,
-                     collectives: str = "minipar") -> dict:
-    """A worker (`minipar.launch(warm_zero3_trace, 2, ...)`): `demos.zero3_trace`'s record of one
-    ZeRO-3 training step, of a warm step. The same model and `Zero3` first train `warmup` steps
-    that are not recorded (a process's first step makes AdamW's moments and pays its one-time
-    costs); every step starts at a barrier, so that the ranks start it together (a rank that
-    starts late makes the others wait in their first all-gather). Returns what
-    `demos.zero3_trace` returns, for the recorded step only ("peak" is that step's), and
-    "warmup_phases": each warm-up step's "phases"."""
-    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
-    rank, world = dist.get_rank(), dist.get_world_size()
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    names = {id(m): name for name, m in model.named_modules()}
-    zero = Zero3(model, None, collectives=collectives)
-    events, waits, phases = [], [], []
-    for method, what in (("_start_gather", "gather"), ("_free", "free"), ("_gather", "wait")):
-        setattr(zero, method, _recorded(zero, getattr(zero, method), what, events, waits))
-    for step in range(warmup + 1):
-        x, y = data.global_batch("synthetic", step, per_rank_batch * world, cfg.seq_len,
-                                 cfg.vocab_size)
-        x, y = data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
-        events.clear()  # keep the last step's only
-        waits.clear()
-        zero.peak_gathered_bytes = zero.gathered_bytes  # 0: nothing is gathered between steps
-        dist.barrier()  # every rank starts the step together
-        if nccl:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = cross_entropy(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        zero.step()
-        zero.zero_grad()
-        if nccl:
-            torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        phases.append([("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)])
-    zero.close()
-    return {"units": [names[id(u.module)] for u in zero.units],
-            "unit_bytes": [u.mine.params.numel() * world * u.mine.params.element_size()
-                           for u in zero.units],
-            "events": events, "waits": waits, "peak": zero.peak_gathered_bytes,
-            "phases": phases[-1], "warmup_phases": phases[:-1]}
-
-
-def _recorded(zero: Zero3, original, what: str, events: list, waits: list):
-    """`original` (a bound method of `zero` taking a unit's index), recording each call: "wait"
-    appends (unit, start, end) to `waits`; "gather" and "free" append (what, unit, start, gathered
-    bytes after) to `events` when the gathered bytes changed (it did gather or free something).
-    Set as an instance attribute, it shadows the class's method: Zero3's hooks call it."""
-    def recorded(i: int) -> None:
-        before, start = zero.gathered_bytes, time.perf_counter()
-        original(i)
-        if what == "wait":
-            waits.append((i, start, time.perf_counter()))
-        elif zero.gathered_bytes != before:
-            events.append((what, i, start, zero.gathered_bytes))
-    return recorded
