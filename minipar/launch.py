@@ -167,7 +167,9 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
     pending = dict(results)
     while len(done) < len(procs):
         quiet = time.monotonic() - max([returned] + [o.heard for o in outputs.values()])
-        if failed and (not pending or time.monotonic() > first_failure + grace):
+        # a failure already in is the cause, also when the watchdog would fire now
+        if failed and (not pending or time.monotonic() > first_failure + grace or
+                       quiet >= timeout):
             rank, (_, what) = min(failed.items(),
                                   key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
             _drain(outputs)

@@ -86,6 +86,15 @@ def test_a_raising_rank_stops_the_job_with_its_traceback(tmp_path):
     assert_all_gone(tmp_path, 3)
 
 
+def test_a_failure_just_before_the_watchdog_is_still_the_cause(tmp_path):
+    """A rank that raises within the failure's grace period before the watchdog fires: the job
+    ends with its traceback, not with a timeout that drops it."""
+    with pytest.raises(minipar.WorkerError, match="rank 1 of 2 raised") as err:
+        minipar.launch(w.fail_just_before_the_watchdog, 2, 1, tmp_path, 3.0, timeout=3)
+    assert "ValueError: rank 1 failed late" in str(err.value)
+    assert_all_gone(tmp_path, 2)
+
+
 @pytest.mark.parametrize("last_words", [None, "goodbye"])
 def test_a_rank_that_dies_ends_the_job(tmp_path, last_words):
     with pytest.raises(minipar.WorkerError, match="(?s)rank 2 of 3 died.*exit code 3") as err:

@@ -30,6 +30,18 @@ def fail_on(bad_rank, folder):
     time.sleep(60)
 
 
+def fail_just_before_the_watchdog(bad_rank, folder, timeout):
+    """Rank bad_rank shows progress (a heartbeat), then raises 0.4 s before launch's watchdog
+    would fire; the others wait quietly."""
+    from minipar.launch import heartbeat
+    note_pid(folder)
+    if dist.get_rank() == bad_rank:
+        heartbeat()
+        time.sleep(timeout - 0.4)
+        raise ValueError(f"rank {bad_rank} failed late")
+    time.sleep(60)
+
+
 def die_on(bad_rank, folder, last_words=None):
     note_pid(folder)
     if dist.get_rank() == bad_rank:
