@@ -131,3 +131,86 @@ def test_run_here_trains_and_draws_measured_beside_predicted():
     kinds = [o["output_type"] for o in ex.measured.outputs]
     assert kinds == ["stream", "display_data", "display_data"]  # the numbers, memory per rank, the two Gantts
     assert "predicted" in ex.measured.outputs[0]["text"] and "measured" in ex.measured.outputs[0]["text"]
+
+
+# ----------------------------------------------------------------------------- the lessons' widgets
+# minipar.lessons.widgets: one control per lesson (02, 03, 04, 06), no processes; each pure function's
+# numbers against minipar's formulas, and each widget redraws when a control moves.
+
+def _png(box) -> list:
+    return [o["data"]["image/png"] for o in box.out.outputs if "data" in o]
+
+
+def test_fp16_fates_are_torchs_casts():
+    import torch
+
+    from minipar.lessons.widgets import fp16_fates
+    g = torch.tensor([2.0**-30, 2.0**-20, 2.0**-10, 1.0, 2.0**10])
+    unscaled, scaled = fp16_fates(g, 0), fp16_fates(g, 6)   # 2^-30 -> 0; x 2^6: 2^16 -> inf
+    assert [round(unscaled[k], 6) for k in ("zero", "subnormal", "normal", "overflow")] == [0.2, 0.2, 0.6, 0]
+    assert [round(scaled[k], 6) for k in ("zero", "subnormal", "normal", "overflow")] == [0, 0.2, 0.6, 0.2]
+    edges = torch.tensor([2.0**-25, 1.5 * 2.0**-25, 65504.0, 65519.0, 65520.0])   # lesson 02's edges
+    fates = fp16_fates(edges, 0)
+    assert (fates["zero"], fates["overflow"]) == (pytest.approx(0.2), pytest.approx(0.2))
+
+
+def test_zero_memory_is_the_papers_table():
+    from minipar import memory
+    from minipar.lessons.widgets import zero_memory
+    assert sum(zero_memory().values()) == pytest.approx(1.875e9)   # 7.5B on 64 GPUs, ZeRO-3
+    for stage, gb in memory.zero_table(7.5e9, 64).items():
+        assert sum(zero_memory(7.5e9, 64, stage).values()) / 1e9 == pytest.approx(gb)
+    fp32 = zero_memory(1e9, 8, 2, "fp32")
+    assert fp32 == memory.model_states(1e9, 8, 2, memory.FP32) == {"params": 4e9, "grads": 5e8, "optimizer": 1e9}
+    assert sum(zero_memory(1e9, 1, 0, "bf16, fp32 grads").values()) == 18e9   # Megatron's 18 bytes
+
+
+def test_tp_layer_is_the_lessons_formula_and_traffic_tp():
+    from minipar.lessons.widgets import ACHIEVED, tp_layer
+    got = tp_layer()   # GPT-3 175B, t = 8, over NVLink: lesson 04's 14%
+    h, s, w = 12288, 2048, 450e9
+    assert got["ratio"] == pytest.approx(2 * 7 * ACHIEVED / (9 * h * w * (1 + s / (6 * h)))) and got["ratio"] < 0.15
+    assert tp_layer(bandwidth=50)["ratio"] > 1 and tp_layer(t=1)["sent"] == 0
+    cfg = lambda n_layer: GPTConfig(n_layer=n_layer, n_head=8, d_model=256, vocab_size=128, seq_len=64)
+    par = ParallelConfig(tp=4, precision="bf16")
+    from minipar import traffic
+    per_layer = traffic.tp(cfg(3), par, 2)["all_reduce"] - traffic.tp(cfg(2), par, 2)["all_reduce"]
+    assert tp_layer(4, 256, 64, 2, 1.0)["sent"] == pytest.approx(per_layer)   # 8 b s h e (t-1)/t
+
+
+def test_layout_3d_is_the_meshs():
+    from minipar import Mesh
+    from minipar.lessons.widgets import factorisations, layout_3d
+    assert len(factorisations(8)) == 10 and all(d * t * p == 8 for d, t, p in factorisations(8))
+    assert len(factorisations(12)) == 18 and (2, 3, 2) in factorisations(12)
+    got, mesh = layout_3d(2, 4, 2), Mesh(2, 4, 2)
+    assert got["coords"] == [(c.dp_rank, c.tp_rank, c.pp_rank) for c in map(mesh.coords, range(16))]
+    assert got["groups"]["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert got["groups"]["pp"][0] == [0, 8] and got["member"]["dp"][5] == 1
+
+
+def test_each_lesson_widget_redraws_when_a_control_moves():
+    import torch
+
+    from minipar.lessons import widgets
+    g = torch.logspace(-30, 10, 200, base=2.0)
+    box = widgets.loss_scale({"some": g, "others": g / 8})
+    before = _png(box)
+    box.controls["log2_scale"].value = 20
+    assert _png(box) != before and "scale 2^20" in box.out.outputs[-1]["text"]
+    box = widgets.zero_memory_widget()
+    assert box.controls["psi"].value == 7.5e9 and "total 1.875 GB" in box.out.outputs[-1]["text"]
+    box.controls["stage"].value = 0
+    assert "total 120 GB" in box.out.outputs[-1]["text"]
+    box = widgets.tp_comm()
+    before = _png(box)
+    box.children[-2].value = 50.0   # the InfiniBand preset sets the bandwidth
+    assert box.controls["bandwidth"].value == 50.0 and "comm / compute 1.218" in box.out.outputs[-1]["text"]
+    assert _png(box) != before
+    box = widgets.layout_3d_widget()
+    box.controls["layout"].value = (1, 8, 1)
+    assert "rank  7: dp 0, tp 7, pp 0" in box.out.outputs[-1]["text"]
+    box.controls["world"].value = 4   # only 4's factorisations are offered, the most even drawn
+    assert [v for _, v in box.controls["layout"].options] == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2),
+                                                              (2, 2, 1), (4, 1, 1)]
+    assert box.controls["layout"].value == (1, 2, 2) and "rank  3: dp 0, tp 1, pp 1" in box.out.outputs[-1]["text"]

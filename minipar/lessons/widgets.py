@@ -1,0 +1,272 @@
+"""Something to play with in lessons 02, 03, 04 and 06: ipywidgets controls over minipar's own
+formulas. No processes, and a change redraws at once. Each widget returns an ipywidgets VBox, with
+its controls in `.controls`, its Output in `.out` and its redraw in `.redraw`. Under each widget
+is the pure function that computes what it draws, so tests can check the numbers without a browser.
+
+    loss_scale(grads)          (02) the histogram of |gradient| x 2^k cast to fp16 (x.half()),
+      fp16_fates(g, k)              with what rounds to 0, what is subnormal, what overflows
+    zero_memory_widget()       (03) model states per device by category over Psi, N_d, the stage
+      zero_memory(psi, ...)         and the precision: memory.model_states at memory.layout_bytes
+    tp_comm()                  (04) one layer's TP bytes, 8 b s h e (t-1)/t, and its communication
+      tp_layer(t, h, s, b, ...)     time over its compute time, over a link (NVLink, InfiniBand...)
+    layout_3d_widget(world)    (06) a dp x tp x pp layout of a world, valid factorisations only:
+      layout_3d(dp, tp, pp)         each rank's Mesh coordinates and its groups, on viz_3d's grid
+      factorisations(world)
+"""
+from __future__ import annotations
+
+import ipywidgets as w
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minipar import memory
+from minipar.lessons import viz_3d
+from minipar.lessons.explorer_html import png, text
+from minipar.mesh import Mesh
+
+FP16_MIN_NORMAL, FP16_ZERO, FP16_INF = 2.0**-14, 2.0**-25, 65520.0  # fp16: x <= 2^-25 -> 0
+PRECISIONS = {"fp32": ("fp32", True), "bf16, fp32 grads": ("bf16", True),
+              "bf16, 16-bit grads": ("bf16", False)}  # label: memory.layout_bytes' arguments
+LINKS = {"NVLink 4 (H100)": 450.0, "InfiniBand NDR": 50.0, "PCIe 4 x16": 25.0}  # GB/s, lesson 04
+ACHIEVED = 989e12 * 0.5  # lesson 04: H100 SXM dense bf16 peak at 50% utilisation, FLOP/s
+GB = 1e9
+
+
+def _panel(controls: dict, draw, extra: tuple = ()) -> w.VBox:
+    """A VBox of the controls (and `extra` widgets) above an Output that `draw(**values)` fills
+    with Output outputs; any control's change redraws."""
+    out = w.Output()
+
+    def redraw(_=None):
+        out.outputs = tuple(draw(**{k: c.value for k, c in controls.items()}))
+
+    for c in controls.values():
+        c.observe(redraw, names="value")
+    rows = [w.HBox(list(controls.values())[i:i + 3]) for i in range(0, len(controls), 3)]
+    box = w.VBox([*rows, *extra, out])
+    box.controls, box.out, box.redraw = controls, out, redraw
+    redraw()
+    return box
+
+
+# ----------------------------------------------------------------------------- 02: loss scaling
+
+def fp16_fates(g: torch.Tensor, log2_scale: float) -> dict:
+    """|g| x 2^log2_scale, in fp32, cast to fp16 by torch (x.half()): the share of elements that
+    become 0 (at or below 2^-25), stay subnormal (below 2^-14), are normal, become inf (at or
+    above 65520), and the mean relative error of the nonzero finite ones, unscaled."""
+    x = g.detach().abs().float().flatten()
+    x = x[x > 0]
+    scaled = x * 2.0**log2_scale
+    h = scaled.half().float()
+    share = lambda mask: mask.float().mean().item()  # noqa: E731
+    finite = torch.isfinite(h) & (h != 0)
+    return dict(zero=share(h == 0), subnormal=share((h != 0) & (h < FP16_MIN_NORMAL)),
+                normal=share(finite & (h >= FP16_MIN_NORMAL)), overflow=share(torch.isinf(h)),
+                rel_error=((h[finite] - scaled[finite]).abs() / scaled[finite]).mean().item()
+                if finite.any() else float("nan"), count=x.numel())
+
+
+def _loss_scale_draw(g: torch.Tensor, name: str, log2_scale: int) -> list:
+    fates = fp16_fates(g, log2_scale)
+    x = g.detach().abs().float().flatten()
+    log2 = x[x > 0].log2().numpy()
+    bins = np.arange(-40, 26, 0.5)
+    fig, ax = plt.subplots(figsize=(8, 3.4), layout="constrained")
+    ax.hist(log2, bins, alpha=0.35, color="grey", label="unscaled")
+    ax.hist(log2 + log2_scale, bins, alpha=0.7, label=f"× 2^{log2_scale}")
+    ax.axvspan(bins[0], -25, color="crimson", alpha=0.12, label="fp16 → 0 (≤ 2^-25)")
+    ax.axvspan(-25, -14, color="orange", alpha=0.12, label="fp16 subnormal")
+    ax.axvspan(np.log2(FP16_INF), bins[-1], color="crimson", alpha=0.25,
+               label="fp16 → inf (≥ 65520)")
+    ax.set(xlabel="log2 |gradient × scale| (log2 of the value)", ylabel="count (elements)",
+           title=f"{name} × 2^{log2_scale}: → 0 {fates['zero']:.1%}, subnormal "
+                 f"{fates['subnormal']:.1%}, inf {fates['overflow']:.1%}")
+    ax.legend(fontsize="small", loc="upper left")
+    return [png(fig), text(
+        f"scale 2^{log2_scale}, {fates['count']:,} nonzero gradients in fp16: → 0 "
+        f"{fates['zero']:.2%}, subnormal {fates['subnormal']:.2%}, normal {fates['normal']:.2%}, "
+        f"→ inf {fates['overflow']:.2%}; mean relative error {fates['rel_error']:.2e}")]
+
+
+def loss_scale(grads, log2_scale: int = 16) -> w.VBox:
+    """A loss-scale slider (log2 S, 0..24) over `grads` (a tensor, or {name: tensor} with a
+    picker): the histogram of |g| x S and what fp16 makes of it (`fp16_fates`)."""
+    grads = grads if isinstance(grads, dict) else {"gradients": grads}
+    controls = {"name": w.Dropdown(options=list(grads), description="gradients"),
+                "log2_scale": w.IntSlider(value=log2_scale, min=0, max=24,
+                                          description="log2 scale")}
+    return _panel(controls, lambda name, log2_scale: _loss_scale_draw(grads[name], name,
+                                                                       log2_scale))
+
+
+# ----------------------------------------------------------------------------- 03: ZeRO memory
+
+def zero_memory(psi: float = 7.5e9, n_d: int = 64, stage: int = 3,
+                precision: str = "bf16, 16-bit grads") -> dict[str, float]:
+    """Model states per device, bytes by category: `memory.model_states` at
+    `memory.layout_bytes`' bytes a parameter for `precision` (a key of PRECISIONS). The default
+    is the ZeRO paper's 7.5B parameters on 64 GPUs, stage 3: 16 Psi / 64 = 1.875 GB."""
+    return memory.model_states(psi, n_d, stage, memory.layout_bytes(*PRECISIONS[precision]))
+
+
+def _zero_draw(psi: float, n_d: int, stage: int, precision: str) -> list:
+    fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
+    names = ["DP (0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for s in range(4):
+        states, bottom = zero_memory(psi, n_d, s, precision), 0.0
+        for (cat, v), colour in zip(states.items(), colours):
+            ax.bar(s, v / GB, 0.6, bottom=bottom, color=colour, label=cat if s == 0 else None,
+                   alpha=1.0 if s == stage else 0.35, ec="black" if s == stage else "none")
+            bottom += v / GB
+        ax.text(s, bottom, f"{bottom:,.3g} GB", ha="center", va="bottom", fontsize=8)
+    for gb, gpu in ((32, "V100 32 GB"), (80, "A100/H100 80 GB")):
+        ax.axhline(gb, ls="--", color="grey", lw=0.8)
+        ax.text(3.45, gb, gpu, fontsize=7, va="bottom", ha="right", color="dimgrey")
+    ax.set_xticks(range(4), names)
+    ax.set(ylabel="model states per device (GB, 1e9 bytes)",
+           title=f"Ψ = {psi:.3g} parameters, N_d = {n_d}, {precision}")
+    ax.legend(fontsize="small", loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    got, per = zero_memory(psi, n_d, stage, precision), memory.layout_bytes(*PRECISIONS[precision])
+    return [png(fig), text(f"stage {stage}, {' + '.join(map(str, per.values()))} bytes a "
+                           f"parameter: " + ", ".join(f"{c} {v / GB:,.4g} GB" for c, v in
+                                                       got.items())
+                           + f"; total {sum(got.values()) / GB:,.4g} GB per device")]
+
+
+def zero_memory_widget(psi: float = 7.5e9, n_d: int = 64, stage: int = 3,
+                       precision: str = "bf16, 16-bit grads") -> w.VBox:
+    """Psi (1e8..1e12, log), N_d (powers of 2 to 1024), the stage and the precision: model
+    states per device, stacked by category, for every stage (the chosen one solid)."""
+    controls = {
+        "psi": w.FloatLogSlider(value=psi, base=10, min=8, max=12, step=0.025,
+                                description="Ψ (params)", readout_format=".3g"),
+        "n_d": w.SelectionSlider(options=[2**i for i in range(11)], value=n_d,
+                                 description="N_d (GPUs)"),
+        "stage": w.ToggleButtons(options=[("DP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2),
+                                          ("ZeRO-3", 3)], value=stage, description="stage"),
+        "precision": w.Dropdown(options=list(PRECISIONS), value=precision,
+                                description="precision")}
+    return _panel(controls, _zero_draw)
+
+
+# ----------------------------------------------------------------------------- 04: TP traffic
+
+def tp_layer(t: int = 8, h: int = 12288, s: int = 2048, b: int = 1, bandwidth: float = 450.0,
+             e: int = 2, achieved: float = ACHIEVED) -> dict[str, float]:
+    """Lesson 04's `per_layer`, one layer and micro-batch on a TP rank: `sent` = 8 b s h e (t-1)/t
+    bytes (four all-reduces of b s h e bytes), `comm` = sent / bandwidth (GB/s) seconds,
+    `compute` = 72 b s h^2 (1 + s / (6h)) / t FLOPs at `achieved` FLOP/s, `ratio` = comm /
+    compute = e (t-1) achieved / (9 h bandwidth (1 + s / (6h)))."""
+    sent = 8 * b * s * h * e * (t - 1) / t
+    compute = 72 * b * s * h * h * (1 + s / (6 * h)) / t / achieved
+    comm = sent / (bandwidth * GB)
+    return dict(sent=sent, comm=comm, compute=compute, ratio=comm / compute)
+
+
+def _tp_draw(t: int, h: int, s: int, b: int, bandwidth: float, e: int) -> list:
+    degrees = list(range(2, 17))
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
+    for (link, gbs), style in zip(LINKS.items(), (":", "-.", "--")):
+        ax.plot(degrees, [tp_layer(d, h, s, b, gbs, e)["ratio"] for d in degrees], style,
+                color="grey", label=f"{link}, {gbs:g} GB/s")
+    ax.plot(degrees, [tp_layer(d, h, s, b, bandwidth, e)["ratio"] for d in degrees], "-",
+            lw=2, label=f"this link, {bandwidth:.3g} GB/s")
+    got = tp_layer(t, h, s, b, bandwidth, e)
+    if t > 1:
+        ax.plot([t], [got["ratio"]], "o", color="crimson", ms=8, label=f"t = {t}")
+    ax.axhline(1, color="black", lw=0.8)
+    ax.axvline(8, color="green", lw=0.8, ls="--")
+    ax.text(8.1, ax.get_ylim()[0], " 8 GPUs: one NVLink node", fontsize=7, va="bottom")
+    ax.set_yscale("log")
+    ax.set(xlabel="tensor-parallel degree t", ylabel="communication time / compute time",
+           title=f"one layer: h {h}, s {s}, b {b}, {e} bytes an element")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(alpha=0.3, which="both")
+    return [png(fig), text(
+        f"t = {t}: {got['sent'] / 1e6:,.2f} MB sent per layer and micro-batch, comm "
+        f"{got['comm'] * 1e3:.3f} ms at {bandwidth:.3g} GB/s, compute {got['compute'] * 1e3:.3f} "
+        f"ms at {ACHIEVED / 1e12:.0f} TFLOP/s: comm / compute {got['ratio']:.3f}")]
+
+
+def tp_comm(t: int = 8, h: int = 12288, s: int = 2048, b: int = 1,
+            bandwidth: float = 450.0) -> w.VBox:
+    """t, h, s, b, bytes an element and the link (presets or GB/s): `tp_layer`'s comm / compute
+    by t for this link and the presets, the chosen t marked. GPT-3 175B over NVLink by default."""
+    hs = [768, 1024, 1600, 2048, 2560, 4096, 5120, 8192, 12288, 16384, 20480]
+    controls = {"t": w.IntSlider(value=t, min=1, max=16, description="t (TP ranks)"),
+                "h": w.SelectionSlider(options=sorted({*hs, h}), value=h, description="h"),
+                "s": w.SelectionSlider(options=sorted({512, 1024, 2048, 4096, 8192, s}), value=s,
+                                       description="s (tokens)"),
+                "b": w.IntSlider(value=b, min=1, max=16, description="b (micro-batch)"),
+                "bandwidth": w.FloatLogSlider(value=bandwidth, base=10, min=0, max=3,
+                                              step=0.01, description="link GB/s",
+                                              readout_format=".3g"),
+                "e": w.ToggleButtons(options=[("bf16", 2), ("fp32", 4)], value=2,
+                                     description="elements")}
+    preset = w.ToggleButtons(options=[(f"{k} ({v:g} GB/s)", v) for k, v in LINKS.items()],
+                             value=None, description="link preset")
+    preset.observe(lambda c: c.new and setattr(controls["bandwidth"], "value", c.new),
+                   names="value")
+    return _panel(controls, _tp_draw, (preset,))
+
+
+# ----------------------------------------------------------------------------- 06: 3D layouts
+
+def factorisations(world: int) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) with dp x tp x pp = world, in order."""
+    return [(d, t, world // (d * t)) for d in range(1, world + 1) for t in range(1, world + 1)
+            if world % (d * t) == 0]
+
+
+def layout_3d(dp: int, tp: int, pp: int) -> dict:
+    """Mesh(dp, tp, pp): "coords", each rank's (dp_rank, tp_rank, pp_rank), and "groups",
+    {axis: Mesh.axis_groups(axis)}, and "member", {axis: [the index of each rank's group]}."""
+    mesh = Mesh(dp, tp, pp)
+    groups = {axis: mesh.axis_groups(axis) for axis in ("tp", "dp", "pp")}
+    member = {axis: [next(i for i, g in enumerate(gs) if r in g) for r in range(mesh.world)]
+              for axis, gs in groups.items()}
+    coords = [mesh.coords(r) for r in range(mesh.world)]
+    return dict(coords=[(c.dp_rank, c.tp_rank, c.pp_rank) for c in coords], groups=groups,
+                member=member)
+
+
+def _layout_draw(layout: tuple[int, int, int]) -> list:
+    dp, tp, pp = layout
+    got = layout_3d(dp, tp, pp)
+    labels = {r: f"TP group {got['member']['tp'][r]}\nDP group {got['member']['dp'][r]}\n"
+                 f"PP group {got['member']['pp'][r]}" for r in range(dp * tp * pp)}
+    fig = viz_3d.rank_grid(Mesh(dp, tp, pp), labels)
+    lines = [f"rank {r:>2}: dp {c[0]}, tp {c[1]}, pp {c[2]}" for r, c in enumerate(got["coords"])]
+    lines += [f"{axis} groups: {gs}" for axis, gs in got["groups"].items()]
+    return [png(fig), text("\n".join(lines))]
+
+
+def layout_3d_widget(world: int = 8, layout: tuple[int, int, int] = (2, 2, 2)) -> w.VBox:
+    """A world size (1..16) and one of its dp x tp x pp factorisations (only those are offered):
+    viz_3d's rank grid with each rank's groups, and each rank's coordinates printed."""
+    name = lambda f: f"dp {f[0]} × tp {f[1]} × pp {f[2]}"  # noqa: E731
+    pick = w.Dropdown(options=[(name(f), f) for f in factorisations(world)],
+                      value=layout if layout in factorisations(world) else None,
+                      description="layout")
+    size = w.IntSlider(value=world, min=1, max=16, description="world (ranks)")
+    quiet = {"on": False}  # while the world changes the options: one redraw, at the end
+    box = _panel({"layout": pick},
+                 lambda layout: box.out.outputs if quiet["on"] else _layout_draw(layout), (size,))
+
+    def on_world(change):
+        shapes = factorisations(change.new)
+        quiet["on"] = True
+        try:
+            pick.options = [(name(f), f) for f in shapes]
+            pick.value = min(shapes, key=lambda f: (max(f) - min(f), f))  # the most even one
+        finally:
+            quiet["on"] = False
+        box.redraw()
+
+    size.observe(on_world, names="value")
+    box.controls = {"layout": pick, "world": size}
+    return box
