@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSON = "02_mixed_precision.ipynb"  # the quickest lesson that reads the corpus (~35 s; 04: ~55 s)
+LESSON = "02_mixed_precision.ipynb"  # a quick lesson that reads the corpus (~20 s under nbval)
 KERNEL = "minipar-wheel-test"        # registered in the venv: no other python3 kernel answers
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
                                      ".pytest_cache", ".ipynb_checkpoints", "out")
