@@ -25,17 +25,28 @@ from minipar.train import make_optimizer, train_layouts
 from minipar.zero3 import Zero3
 
 
-def _device() -> torch.device:
+def rank_device() -> torch.device:
     """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _sync() -> None:
+def sync_device() -> None:
     """Wait for queued GPU work, so a timer measures it (nothing to wait for on CPU)."""
     if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
+
+
+def synthetic_batch(cfg, per_rank_batch: int, threads: int | None = None):
+    """A timed worker's start: `threads` intra-op threads (None keeps launch's), the GPTConfig (or
+    preset name) `cfg`, and this rank's share of synthetic global batch 0: (cfg, device, x, y)."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
+    return cfg, device, data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
 
 
 def _in_turn(text: str) -> None:
@@ -65,7 +76,7 @@ def collective(name: str, length: int = 4, src: int = 0) -> dict:
     name: "all_reduce", "reduce_scatter", "all_gather" or "broadcast" (from global rank src).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    x = (torch.arange(length) + 10 * rank).float().to(_device())
+    x = (torch.arange(length) + 10 * rank).float().to(rank_device())
     if name == "all_reduce":
         ours, ref = comm.all_reduce(x.clone()), x.clone()
         dist.all_reduce(ref)
@@ -101,7 +112,7 @@ def ring_trace(length: int | None = None) -> dict:
     rank holds of every chunk (its own input until something arrives), "all_reduce": the result}.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    x = torch.full((length or n,), 2 ** rank, dtype=torch.int64, device=_device())
+    x = torch.full((length or n,), 2 ** rank, dtype=torch.int64, device=rank_device())
     held = [c.tolist() for c in torch.tensor_split(x, n)]  # this rank's view of each chunk
     steps, states = [], [list(held)]
 
@@ -123,7 +134,7 @@ def count_bytes(lengths: list[int]) -> list[dict]:
     """
     out = []
     for length in lengths:
-        x = torch.ones(length, device=_device())
+        x = torch.ones(length, device=rank_device())
         stats = comm.CommStats()  # counts what the calls it is handed to send
         comm.all_reduce(x, stats=stats)
         comm.reduce_scatter(x, stats=stats)
@@ -146,16 +157,16 @@ def time_all_reduce(sizes: list[int], reps: int = 5) -> dict[str, list[float]]:
     impls = {"minipar": ring, dist.get_backend(): dist.all_reduce}
     times = {name: [] for name in impls}
     for size in sizes:
-        x = torch.ones(size // 4, device=_device())
+        x = torch.ones(size // 4, device=rank_device())
         for name, fn in impls.items():
             fn(x)
             samples = []
             for _ in range(reps):
                 dist.barrier()
-                _sync()
+                sync_device()
                 start = time.perf_counter()
                 fn(x)
-                _sync()
+                sync_device()
                 samples.append(time.perf_counter() - start)
             times[name].append(min(samples))
     return times
@@ -187,12 +198,7 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
     "grad_diff": {variant: relative norm difference of its first averaged gradients from DDP's},
     "tokens": tokens this rank trains on per step}.
     """
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
-    rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
-    x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
-    x, y = data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
+    cfg, device, x, y = synthetic_batch(cfg, per_rank_batch, threads)
     runs = {name: _dp_variant(name, cfg, device, bucket_mb) for name in variants}
     step, wait, grads = ({name: [] for name in variants} for _ in range(3))
     for i in range(warmup + reps):
@@ -200,20 +206,20 @@ def compare_ddp(cfg="small-cpu", per_rank_batch: int = 8, bucket_mb: float = 2.0
         for name in variants[k:] + variants[:k]:
             wrapped, model, sync, optimizer = runs[name]
             dist.barrier()
-            _sync()
+            sync_device()
             start = time.perf_counter()
             cross_entropy(wrapped(x), y).backward()
             backward_done = time.perf_counter()
             if sync:
                 sync.finish()
-            _sync()
+            sync_device()
             synced = time.perf_counter()
             if i == 0:  # the first step: every model still holds the initial weights
                 grads[name] = torch.cat([p.grad.flatten()
                                          for p in model.parameters()]).double().cpu()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            _sync()
+            sync_device()
             if i >= warmup:
                 step[name].append(time.perf_counter() - start)
                 wait[name].append(synced - backward_done)
@@ -277,8 +283,7 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, warmup: int = 1,
      "warmup_phases": each warm-up step's phases}; times in perf_counter seconds."""
     cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
     rank, world = dist.get_rank(), dist.get_world_size()
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = rank_device()
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     names = {id(m): name for name, m in model.named_modules()}
@@ -294,8 +299,7 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, warmup: int = 1,
         waits.clear()
         zero.peak_gathered_bytes = zero.gathered_bytes  # 0: nothing is gathered between steps
         dist.barrier()  # every rank starts the step together
-        if nccl:
-            torch.cuda.synchronize()
+        sync_device()
         t0 = time.perf_counter()
         loss = cross_entropy(model(x), y)
         t1 = time.perf_counter()
@@ -303,8 +307,7 @@ def zero3_trace(cfg="tiny", per_rank_batch: int = 2, warmup: int = 1,
         t2 = time.perf_counter()
         zero.step()
         zero.zero_grad()
-        if nccl:
-            torch.cuda.synchronize()
+        sync_device()
         t3 = time.perf_counter()
         phases.append([("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)])
     zero.close()

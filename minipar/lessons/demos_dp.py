@@ -12,22 +12,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from minipar import comm, data
+from minipar import comm
 from minipar.data_parallel import DataParallelBucket, DataParallelNaive, GradBuckets, buckets_of
-from minipar.model import GPT, GPTConfig, cross_entropy
+from minipar.model import GPT, cross_entropy
+from minipar.lessons.demos import sync_device, synthetic_batch
 from minipar.train import make_optimizer
-
-def _device() -> torch.device:
-    """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
 
 def _now() -> float:
     """perf_counter once the queued GPU work is done (nothing to wait for on CPU)."""
-    if dist.get_backend() == "nccl":
-        torch.cuda.synchronize()
+    sync_device()
     return time.perf_counter()
 
 
@@ -60,12 +53,7 @@ def time_sync(cfg="tiny", per_rank_batch: int = 4, variants=(), reps: int = 20,
     "messages": {index: all-reduces per step}, "buckets": {index: buckets}, "grad_diff": {index:
     relative difference of its first averaged gradients from the first variant's}.
     """
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
-    rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
-    x, y = data.global_batch("synthetic", 0, per_rank_batch * world, cfg.seq_len, cfg.vocab_size)
-    x, y = data.shard(x, rank, world).to(device), data.shard(y, rank, world).to(device)
+    cfg, device, x, y = synthetic_batch(cfg, per_rank_batch, threads)
     runs = []
     for bucket_mb, overlap in variants:
         torch.manual_seed(0)

@@ -14,21 +14,9 @@ import torch
 import torch.distributed as dist
 
 from minipar import comm
+from minipar.lessons.demos import rank_device, sync_device
 from minipar.model import Block, GPTConfig
 from minipar.tensor_parallel import ParallelAttention, ParallelMLP, TPGroup
-
-
-def _device() -> torch.device:
-    """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync() -> None:
-    """Wait for queued GPU work, so a timer measures it (nothing to wait for on CPU)."""
-    if dist.get_backend() == "nccl":
-        torch.cuda.synchronize()
 
 
 @dataclass(frozen=True)
@@ -44,10 +32,10 @@ class TimedTPGroup(TPGroup):
 
         def timed(fn):
             def call(*args, **kwargs):
-                _sync()
+                sync_device()
                 start = time.perf_counter()
                 out = fn(*args, **kwargs)
-                _sync()
+                sync_device()
                 self.spans.append(time.perf_counter() - start)
                 return out
             return call
@@ -72,7 +60,7 @@ def tp_block_timing(cfg="tiny", widths=(None,), batch: int = 4, reps: int = 20, 
     repetition's}, "same_bytes": whether every repetition sent those bytes}."""
     torch.set_num_threads(1)
     cfg = GPTConfig.preset(cfg) if isinstance(cfg, str) else cfg
-    device, out = _device(), []
+    device, out = rank_device(), []
     for h in widths:
         c = cfg if h is None else cfg.replace(d_model=h)
         torch.manual_seed(seed)
@@ -90,10 +78,10 @@ def tp_block_timing(cfg="tiny", widths=(None,), batch: int = 4, reps: int = 20, 
                 p.grad = None
             stats.bytes_sent.clear(), stats.calls.clear(), tp.spans.clear()
             dist.barrier()
-            _sync()
+            sync_device()
             start = time.perf_counter()
             block(x).backward(dy)
-            _sync()
+            sync_device()
             step = time.perf_counter() - start
             if i >= warmup:
                 times["step"].append(step)

@@ -15,7 +15,8 @@ is modelled: no bandwidth, no overlap.
 Published figures the tests check, for F = B = 1 per micro-batch and rank (no W):
     gpipe, 1f1b       bubble (p-1)/(m+p-1)          (bubble time / ideal time = (p-1)/m)
     interleaved-1f1b  bubble (p-1)/(v·m+p-1)        with each chunk's F and B costing 1/v
-    zb-h1             idle per rank (p-1)(T_F+T_B-T_W) with F, B, W split; peak in flight as 1F1B
+    zb-h1             idle per rank (p-1)(T_F+T_B-T_W) with F, B, W split, when T_W <= T_F (more
+                      idle beyond: W no longer fits the gaps); peak in flight p on every rank
 
 A measured run (the runtime's per-rank (action, start_s, end_s) lists) becomes a Timeline through
 `Timeline.from_events`, so the same bubble, Gantt chart and trace work on it.
