@@ -262,8 +262,8 @@ def check_reduce_scatter(fn, world: int = 3, numel: int = 10, processes: str | b
         done += f" and on {world} gloo processes (= minipar.comm.reduce_scatter)"
     sizes = [t.numel() for t in torch.tensor_split(torch.empty(numel), world)]
     return (f"reduce-scatter correct {done}: {numel} elements over {world} ranks, parts of "
-            f"{sizes}; bytes sent by rank {[run['bytes'] for run in runs]} = (N-1)/N·S overall "
-            f"({(world - 1) * 4 * numel} of S = {4 * numel} bytes on {world} ranks)")
+            f"{sizes}; bytes sent by rank {[run['bytes'] for run in runs]}: (N-1)/N·S a rank, "
+            f"(N-1)·S = {(world - 1) * 4 * numel} overall (S = {4 * numel} bytes, {world} ranks)")
 
 
 # ----------------------------------------------------------------------------- ZB-H1
