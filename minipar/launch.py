@@ -173,7 +173,7 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
             rank, (_, what) = min(failed.items(),
                                   key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
             _drain(outputs)
-            raise WorkerError(f"rank {rank} of {len(procs)} {what} (the others were stopped)")
+            raise WorkerError(f"rank {rank} of {len(procs)} {what}\n(the others were stopped)")
         if quiet >= timeout:
             unfinished = [r for r in range(len(procs)) if r not in done]
             _dump_stacks(procs, unfinished, outputs)
@@ -206,7 +206,10 @@ def _death(proc, outputs: dict, rank: int) -> str:
             "it printed nothing (it had started: killed from outside?)" if out.spoke else
             "the worker printed nothing: it may have failed while starting, see this terminal's "
             "stderr")
-    return f"exit code {proc.exitcode} (killed, or os._exit); {said}"
+    code = proc.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and \
+        -code in signal.valid_signals() else "killed, or os._exit"
+    return f"exit code {code} ({how}); {said}"
 
 
 def _peer_lost(text: str) -> bool:

@@ -107,6 +107,13 @@ def test_a_rank_that_dies_ends_the_job(tmp_path, last_words):
     assert_all_gone(tmp_path, 3)
 
 
+def test_a_rank_killed_by_a_signal_is_named_so(tmp_path):
+    with pytest.raises(minipar.WorkerError, match="(?s)rank 1 of 2 died.*exit code -9 "
+                                                  r"\(killed by SIGKILL\)"):
+        minipar.launch(w.kill_self_on, 2, 1, tmp_path, timeout=60)
+    assert_all_gone(tmp_path, 2)
+
+
 def test_a_hanging_rank_ends_the_job_after_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(minipar.WorkerTimeout) as err:

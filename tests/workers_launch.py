@@ -1,5 +1,6 @@
 """Worker functions for test_launch (workers import them by name)."""
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,13 @@ def die_on(bad_rank, folder, last_words=None):
         if last_words:
             print(last_words, flush=True)
         os._exit(3)
+    time.sleep(60)
+
+
+def kill_self_on(bad_rank, folder):
+    note_pid(folder)
+    if dist.get_rank() == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
 
 
