@@ -273,19 +273,12 @@ ZB_CASES = ((2, 4), (3, 5), (4, 4), (4, 8), (5, 12))  # (p, m) pairs check_zb_h1
 UNIT = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
-def zb_h1_bubble(p: int, m: int, cost: dict = UNIT) -> float:
-    """ZB-H1's published bubble, as a fraction of the step: idle per rank (p-1)(T_F+T_B-T_W)
-    against m(T_F+T_B+T_W) of work (valid for m >= p)."""
-    idle = (p - 1) * (cost["F"] + cost["B"] - cost["W"])
-    return idle / (idle + m * (cost["F"] + cost["B"] + cost["W"]))
-
-
 def check_zb_h1(build, cases=ZB_CASES) -> str:
     """Grade a learner's `build(p, m) -> list[list[Action]]`, ZB-H1 made from 1F1B.
 
     For each (p, m): `pipeline.check` must accept it (every F, B and W once, on the right rank, in
     a dependency order, no deadlock); simulated at T_F = T_B = T_W = 1 its bubble must be no more
-    than minipar's `schedule("zb-h1", p, m)` (the formula's when m >= p) and below 1F1B's, with
+    than minipar's `schedule("zb-h1", p, m)` (the formula's, tests/test_pipeline_simulate.py), with
     no rank holding more than p micro-batches in flight. Returns a short report."""
     rows = []
     for p, m in cases:
@@ -306,8 +299,6 @@ def check_zb_h1(build, cases=ZB_CASES) -> str:
             f"p={p}, m={m}: bubble {tl.bubble:.4f}, ZB-H1's is {ref.bubble:.4f} (1F1B's "
             f"{one.bubble:.4f}): a W that runs right after its B still makes the previous rank "
             "wait; defer up to r Ws on rank r to the cool-down, where 1F1B idles")
-        if m >= p:
-            assert abs(ref.bubble - zb_h1_bubble(p, m)) < 1e-9, "minipar's zb-h1 left the formula"
         rows.append(f"p={p} m={m}: bubble {tl.bubble:.3f} (1F1B {one.bubble:.3f}), "
                     f"in flight {peaks}")
     return "ZB-H1 correct:\n  " + "\n  ".join(rows)
