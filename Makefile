@@ -27,7 +27,10 @@ train: setup   ## the main job: a short data-parallel training run (2 ranks) on 
 test: setup browser  ## every test: pytest, the notebooks under nbval, the explorer in Chromium
 	$(PY) -m pytest --nbval-lax -q $(ARGS)
 
+docs: setup    ## the lessons as a static site, docs/lessons/ (runs every lesson: minutes); ARGS=03_zero for one
+	$(PY) -m minipar.lessons.site $(ARGS)
+
 bench: setup   ## side-by-side benchmarks against PyTorch's own implementations
 	$(PY) bench/run.py $(ARGS)
 
-.PHONY: setup browser train test bench
+.PHONY: setup browser train test docs bench

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import browser
+from conftest import need
 import pytest
 
 from minipar import Cluster, GPTConfig, ParallelConfig, estimate
@@ -41,28 +42,6 @@ TRACEBACK = "Traceback (most recent call last)"
 
 WAIT_MS = 30_000     # one kernel round trip (estimate and plots) on a loaded 2-core machine stays far below this
 RUN_ALL_MS = 120_000  # the whole lesson, "Run here"'s training included (20 s on a quiet 2-core machine)
-
-
-def need(reason: str):
-    if os.environ.get("MINIPAR_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{reason} (MINIPAR_REQUIRE_BROWSER=1: `make test` installs Chromium with apt-get)")
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
-        need("playwright is not installed (pip install -e '.[dev]')")
-    path = browser.chromium()  # None: Playwright's own download, where `playwright install` could fetch one
-    with sync_playwright() as p:
-        try:
-            chrome = p.chromium.launch(executable_path=path, args=browser.CHROMIUM_ARGS)
-        except Error as e:
-            need(f"no Chromium to drive (apt-get install chromium): {str(e).splitlines()[0]}")
-        yield chrome
-        chrome.close()
 
 
 @pytest.fixture
