@@ -173,7 +173,8 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
             rank, (_, what) = min(failed.items(),
                                   key=lambda item: (_peer_lost(item[1][1]), item[1][0]))
             _drain(outputs)
-            raise WorkerError(f"rank {rank} of {len(procs)} {what}\n(the others were stopped)")
+            raise WorkerError(f"rank {rank} of {len(procs)} {what}\n"
+                              f"({_the_others(rank, failed, done, len(procs))})")
         if quiet >= timeout:
             unfinished = [r for r in range(len(procs)) if r not in done]
             _dump_stacks(procs, unfinished, outputs)
@@ -195,6 +196,16 @@ def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float =
             failed[rank] = (when, f"{'raised' if status == 'error' else 'died'}:\n{payload}")
     _drain(outputs)
     return [done[r] for r in range(len(procs))]
+
+
+def _the_others(rank: int, failed: dict, done: dict, world: int) -> str:
+    """The last line of a WorkerError: what became of the ranks besides the one reported."""
+    also = sorted(set(failed) - {rank})
+    stopped = [r for r in range(world) if r not in failed and r not in done]
+    named = lambda ranks: f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+    said = [f"{named(also)} failed too, not shown"] if also else []
+    said += [f"{named(stopped)} {'were' if len(stopped) > 1 else 'was'} stopped"] if stopped else []
+    return "; ".join(said) or "the others had finished"
 
 
 def _death(proc, outputs: dict, rank: int) -> str:

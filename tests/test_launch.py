@@ -83,7 +83,20 @@ def test_a_raising_rank_stops_the_job_with_its_traceback(tmp_path):
     message = str(err.value)
     assert "rank 1 of 3 raised" in message
     assert "ValueError: rank 1 failed on purpose" in message and "fail_on" in message  # the traceback
+    others = message.splitlines()[-1]  # what became of ranks 0 and 2: failed too, or stopped
+    assert "0" in others and "2" in others and "1" not in others, others
     assert_all_gone(tmp_path, 3)
+
+
+@pytest.mark.parametrize("failed,done,said", [
+    ({1: 0}, {}, "ranks 0, 2 were stopped"),
+    ({1: 0, 0: 1}, {}, "rank 0 failed too, not shown; rank 2 was stopped"),
+    ({1: 0, 0: 1, 2: 2}, {}, "ranks 0, 2 failed too, not shown"),
+    ({1: 0}, {0: None, 2: None}, "the others had finished")])
+def test_the_error_says_what_became_of_the_other_ranks(failed, done, said):
+    from minipar.launch import _the_others
+
+    assert _the_others(1, failed, done, 3) == said
 
 
 def test_a_failure_just_before_the_watchdog_is_still_the_cause(tmp_path):
