@@ -68,6 +68,7 @@ def memory_compare(panels: dict[str, dict[str, tuple[dict, dict]]],
     fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 1.2 * width * len(panels), 4.0),
                              sharey=True,
                              squeeze=False, layout="constrained")
+    top = 0
     for ax, (name, runs) in zip(axes[0], panels.items()):
         for x, (label, pair) in enumerate(runs.items()):
             for dx, m, hatch in ((-0.2, pair[0], "//"), (0.2, pair[1], None)):
@@ -78,11 +79,13 @@ def memory_compare(panels: dict[str, dict[str, tuple[dict, dict]]],
                            ec="white", lw=0.3)
                     bottom += mib
             total = [sum(m.get(c, 0) for c in CATEGORIES) for m in pair]
+            top = max(top, *total)
             ax.text(x, max(total) / 2**20, f"×{total[1] / total[0]:.3f}", ha="center", va="bottom",
                     fontsize=8)
         ax.set_xticks(range(len(runs)), list(runs), fontsize=8)
         ax.set_title(name, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].set_ylim(0, 1.12 * top / 2**20)  # room above the tallest pair for its ratio
     axes[0, 0].set_ylabel("MiB per rank (left: predicted, right: measured)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[c]) for c in CATEGORIES]
     handles.append(plt.Rectangle((0, 0), 1, 1, fc="white", ec="grey", hatch="//"))
