@@ -3,6 +3,15 @@ tests and for the lessons' fallback when the exercise is not filled in; read it 
 
     ring_reduce_scatter(tensor, dist)   lesson 00's exercise: check_reduce_scatter
     zb_h1_from_1f1b(p, m)               lesson 05's exercise: check_zb_h1
+    row_parallel(x_shard, weight, bias, dist)   lesson 04's: exercises_tp.check_row_parallel
+    coords(rank, dp, tp, pp)            lesson 06's exercise: exercises_tp.check_coords
+    pack_buckets(grads, bucket_bytes)   lesson 01's exercise: exercises_dp.check_pack
+    sharded_adamw_step(flat_param, flat_grad, state, rank, world, lr, ...)   lesson 03's:
+                                        exercises_zero.check_sharded_step
+    loss_scale_update(scale, good_steps, found_inf, ...)   lesson 02's exercise:
+                                        exercises_precision.check_loss_scaler
+    ring_all_reduce_cost, ring_gather_cost (nbytes, n, link)   lesson 07's:
+                                        exercises_planner.check_collective_costs
 """
 from __future__ import annotations
 
@@ -39,3 +48,83 @@ def zb_h1_from_1f1b(p: int, m: int) -> list[list[Action]]:
     after each B its W joins a queue, and rank r lets at most r Ws wait there (running the oldest
     when there are more), running the rest after its last B."""
     return zb_h1(p, m)
+
+
+def row_parallel(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 dist) -> torch.Tensor:
+    """Lesson 04's exercise (exercises_tp.check_row_parallel); read it after trying. Rank r's
+    block of nn.Linear's (out, in) weight is its input-feature columns, the same cut as its input's
+    last dimension; its product is one term of the sum, which one all-reduce (g) completes; the
+    bias is added once, after the sum (RowParallelLinear.forward)."""
+    rank, t = dist.get_rank(), dist.get_world_size()
+    y = x_shard @ weight.tensor_split(t, dim=1)[rank].T   # (..., out): this rank's term
+    dist.all_reduce(y)                                    # the sum over the ranks, in place
+    return y + bias
+
+
+def coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """Lesson 06's exercise (exercises_tp.check_coords); read it after trying. tp innermost, then
+    dp, then pp: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, read backwards."""
+    return (rank // tp) % dp, rank % tp, rank // (tp * dp)
+
+
+def pack_buckets(grads: list[tuple[str, int, int]], bucket_bytes: int) -> list[list[str]]:
+    """Lesson 01's exercise (exercises_dp.check_pack); read it after trying. `data_parallel.split`'s
+    rule on names: in the order given (backward's), a new bucket when the next gradient would take
+    the current one past bucket_bytes; a bucket that is still empty takes any gradient, so one
+    larger than the cap sits alone."""
+    buckets, run, run_bytes = [], [], 0
+    for name, numel, element_bytes in grads:
+        size = numel * element_bytes
+        if run and run_bytes + size > bucket_bytes:
+            buckets.append(run)
+            run, run_bytes = [], 0
+        run.append(name)
+        run_bytes += size
+    return buckets + [run]
+
+
+def sharded_adamw_step(flat_param: torch.Tensor, flat_grad: torch.Tensor, state: dict, rank: int,
+                       world: int, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                       weight_decay: float = 0.0) -> torch.Tensor:
+    """Lesson 03's exercise (exercises_zero.check_sharded_step); read it after trying. Pad the
+    flat buffer to N equal shards of ceil(P/N) (zero.Flat), take shard `rank`, and run AdamW on it
+    alone, its moments in `state`: torch.optim.AdamW's update, element by element."""
+    size = -(-flat_param.numel() // world)  # ceil: zero.Flat.shard_size
+    lo, pad = rank * size, size * world - flat_param.numel()
+    p = torch.nn.functional.pad(flat_param, (0, pad))[lo:lo + size].clone()
+    g = torch.nn.functional.pad(flat_grad, (0, pad))[lo:lo + size]
+    if not state:
+        state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    state["step"] += 1
+    (beta1, beta2), t = betas, state["step"]
+    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    p.mul_(1 - lr * weight_decay)  # decoupled weight decay, before the update
+    denom = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(eps)
+    return p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+
+
+def loss_scale_update(scale: float, good_steps: int, found_inf: bool, *, growth: float = 2.0,
+                      backoff: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
+    """Lesson 02's exercise (exercises_precision.check_loss_scaler); read it after trying.
+    precision.LossScaler.update's rule on its state: an overflow multiplies the scale by backoff
+    and starts the count of good steps again; the good step that brings the count to
+    growth_interval multiplies the scale by growth and starts it again too."""
+    if found_inf:
+        return scale * backoff, 0
+    good_steps += 1
+    if good_steps == growth_interval:
+        return scale * growth, 0
+    return scale, good_steps
+
+
+def ring_all_reduce_cost(nbytes: float, n: int, link) -> float:
+    """Lesson 07: a ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps, each rank
+    sending 2(n-1)/n of the bytes (lesson 00); one rank sends nothing."""
+    return 2 * ring_gather_cost(nbytes, n, link)
+
+
+def ring_gather_cost(nbytes: float, n: int, link) -> float:
+    """Lesson 07: a ring all-gather or reduce-scatter, n-1 steps, (n-1)/n of the bytes a rank."""
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
