@@ -214,3 +214,38 @@ def test_each_lesson_widget_redraws_when_a_control_moves():
     assert [v for _, v in box.controls["layout"].options] == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2),
                                                               (2, 2, 1), (4, 1, 1)]
     assert box.controls["layout"].value == (1, 2, 2) and "rank  3: dp 0, tp 1, pp 1" in box.out.outputs[-1]["text"]
+
+
+def test_bucket_overlap_draws_the_prediction_of_demos_dp():
+    """Lesson 01's widget: data_parallel.split's buckets, demos_dp.predict_exposed's timeline, drawn
+    as backward's pieces and each all-reduce (its exposed part apart), the total in the title."""
+    import matplotlib.pyplot as plt
+
+    from minipar.lessons import demos_dp, widgets
+    numels, arrivals = [100, 200, 300, 400], [4e-3, 3e-3, 2e-3, 1e-3]   # model order; backward: last first
+    rows = widgets.bucket_timeline(numels, arrivals, 2000 / 2**20, 1e-4, 1e9, n=2)
+    assert [r["params"] for r in rows] == [[3], [2, 1], [0]]             # 1600 B, 2000 B (exactly), 400 B
+    want = demos_dp.predict_exposed([1600, 2000, 400], [1e-3, 2e-3, 1e-3], 1e-4, 1e9, 2)
+    assert [{k: v for k, v in r.items() if k != "params"} for r in rows] == want
+    assert want[0]["all_reduce"] == pytest.approx(2e-4 + 1600 / 1e9)      # 2(N-1) alpha + 2(N-1)/N S / beta
+    assert want[-1]["start"] == 4e-3 and want[-1]["exposed"] == pytest.approx(want[-1]["all_reduce"])
+    assert want[0]["exposed"] == 0 and sum(r["exposed"] for r in want) == pytest.approx(want[-1]["end"] - 4e-3)
+    shown = []
+    real_png = widgets.png
+    widgets.png = lambda fig: shown.append(fig) or real_png(fig)
+    try:
+        outputs = widgets._bucket_draw(numels, arrivals, 2, 4, 2000 / 2**20, 1.0, 100.0)
+    finally:
+        widgets.png = real_png
+    ax = shown[0].axes[0]
+    from matplotlib.colors import to_rgba
+    red = [p.get_width() for p in ax.patches if p.get_facecolor() == to_rgba("tab:red")]
+    assert len(ax.patches) == 3 + 2 * 3   # 3 pieces of backward; each all-reduce: hidden, then exposed
+    assert sum(red) == pytest.approx(sum(r["exposed"] for r in want) * 1e3)   # ms
+    assert "3 buckets" in ax.get_title() and f"exposed {want[-1]['exposed'] * 1e3:.2f} ms" in ax.get_title()
+    assert ax.get_xlabel().endswith("(ms)") and "exposed" in outputs[-1]["text"]
+    plt.close("all")
+    box = widgets.bucket_overlap(numels, arrivals, 1e-4, 1e9)
+    before = _png(box)
+    box.controls["bucket_mb"].value = 2.0**-12                          # 256 B: every tensor alone
+    assert _png(box) != before and "4 buckets" in box.out.outputs[-1]["text"]

@@ -60,7 +60,7 @@ def _widget_outputs(model_id: str, state: dict, seen: set | None = None) -> list
 
 def _stills(nb) -> int:
     """Replace each widget view by what its Output widgets held, under a line saying so; returns
-    how many widgets were replaced. The pages load no widget JavaScript (it would come from a CDN)."""
+    how many widgets were replaced. The pages load no widget JavaScript (it comes from a CDN)."""
     state = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
     state = state.get("state", {})
     replaced = 0
@@ -86,7 +86,8 @@ def execute(path: Path):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3", store_widget_state=True,
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            store_widget_state=True,
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute()
@@ -114,7 +115,8 @@ def page(path: Path, nb, seconds: float) -> str:
     (SITE / STYLE).write_text("\n".join(re.sub(r"</?style[^>]*>", "", s) for s in styles))
     body = re.sub(r"<style[^>]*>.*?</style>\s*", "", body, flags=re.S)
     body = re.sub(r"<script src=\"[^\"]*require[^\"]*\"></script>\s*", "", body)
-    body = body.replace("No description has been provided for this image", "a figure the lesson drew")
+    body = body.replace("No description has been provided for this image",
+                        "a figure the lesson drew")
     figures = body.count("src=\"data:image/png")
     names = [p.stem for p in lessons()]
     i = names.index(path.stem)

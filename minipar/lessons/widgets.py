@@ -1,8 +1,11 @@
-"""Something to play with in lessons 02, 03, 04 and 06: ipywidgets controls over minipar's own
+"""Something to play with in lessons 01, 02, 03, 04 and 06: ipywidgets controls over minipar's own
 formulas. No processes, and a change redraws at once. Each widget returns an ipywidgets VBox, with
 its controls in `.controls`, its Output in `.out` and its redraw in `.redraw`. Under each widget
 is the pure function that computes what it draws, so tests can check the numbers without a browser.
 
+    bucket_overlap(...)        (01) each bucket's all-reduce on a timeline against backward, by
+      bucket_timeline(...)          bucket size and link: demos_dp.predict_exposed at
+                                    data_parallel.split's buckets
     loss_scale(grads)          (02) the histogram of |gradient| x 2^k cast to fp16 (x.half()),
       fp16_fates(g, k)              with what rounds to 0, what is subnormal, what overflows
     zero_memory_widget()       (03) model states per device by category over Psi, N_d, the stage
@@ -21,7 +24,9 @@ import numpy as np
 import torch
 
 from minipar import memory
+from minipar.data_parallel import split
 from minipar.lessons import viz_3d
+from minipar.lessons.demos_dp import backward_per_bucket, predict_exposed
 from minipar.lessons.explorer_html import png, text
 from minipar.mesh import Mesh
 
@@ -48,6 +53,65 @@ def _panel(controls: dict, draw, extra: tuple = ()) -> w.VBox:
     box.controls, box.out, box.redraw = controls, out, redraw
     redraw()
     return box
+
+
+# ----------------------------------------------------------------------------- 01: buckets
+
+def bucket_timeline(numels: list[int], arrivals: list[float], bucket_mb: float, alpha: float,
+                    beta: float, n: int = 2, element_bytes: int = 4) -> list[dict]:
+    """`demos_dp.predict_exposed` for buckets of `bucket_mb` MiB cut by `data_parallel.split` (as
+    GradBuckets cuts them) from parameters of `numels` elements (model order) whose gradients
+    arrive `arrivals` seconds after backward began; each row also has "params", its indices."""
+    buckets = split(numels, int(bucket_mb * 2**20), element_bytes)
+    sizes = [element_bytes * sum(numels[i] for i in b) for b in buckets]
+    rows = predict_exposed(sizes, backward_per_bucket(arrivals, buckets), alpha, beta, n)
+    return [dict(row, params=b) for row, b in zip(rows, buckets)]
+
+
+def _bucket_draw(numels, arrivals, n, element_bytes, bucket_mb: float, bandwidth: float,
+                 latency: float) -> list:
+    rows = bucket_timeline(numels, arrivals, bucket_mb, latency * 1e-6, bandwidth * GB, n,
+                           element_bytes)
+    end, exposed = rows[-1]["ready"], sum(r["exposed"] for r in rows)
+    fig, ax = plt.subplots(figsize=(8, 2.6), layout="constrained")
+    ms = 1e3
+    for k, r in enumerate(rows):  # backward, cut where each bucket is complete
+        before = rows[k - 1]["ready"] if k else 0.0
+        ax.barh(1, (r["ready"] - before) * ms, left=before * ms, height=0.5, ec="white", lw=0.5,
+                color="tab:orange" if k % 2 == 0 else "moccasin")
+        hidden = r["all_reduce"] - r["exposed"]
+        ax.barh(0, hidden * ms, left=r["start"] * ms, height=0.5, color="tab:green", ec="white",
+                lw=0.5)
+        ax.barh(0, r["exposed"] * ms, left=(r["start"] + hidden) * ms, height=0.5,
+                color="tab:red", ec="white", lw=0.5)
+    ax.axvline(end * ms, color="black", lw=0.8, ls="--")
+    ax.set_yticks([0, 1], ["all-reduce\n(comm thread)", "backward\n(a bucket each)"])
+    ax.set(xlabel="time from backward's start (ms)", ylim=(-0.6, 1.6),
+           title=f"{len(rows)} buckets of at most {bucket_mb:.3g} MiB: exposed "
+                 f"{exposed * ms:.2f} ms after backward ({end * ms:.1f} ms)")
+    ax.grid(axis="x", alpha=0.3)
+    return [png(fig), text(
+        f"{len(rows)} buckets, {sum(r['bytes'] for r in rows):,} B; link {bandwidth:.3g} GB/s, "
+        f"{latency:.3g} µs a step, {n} ranks: all-reduces "
+        f"{sum(r['all_reduce'] for r in rows) * ms:.2f} ms in all, exposed {exposed * ms:.2f} ms "
+        "(red: after backward's end, dashed)")]
+
+
+def bucket_overlap(numels: list[int], arrivals: list[float], alpha: float, beta: float,
+                   n: int = 2, bucket_mb: float = 0.1, element_bytes: int = 4) -> w.VBox:
+    """The bucket size (MiB, log), the link's bandwidth (GB/s) and latency (µs a ring step),
+    alpha and beta by default: `bucket_timeline`'s buckets on a timeline against backward, the
+    part of each all-reduce after backward ends in red, their total in the title."""
+    gbs = min(max(beta / GB, 1e-3), 1e3)  # (a fit can give beta = inf: no bandwidth limit seen)
+    controls = {
+        "bucket_mb": w.FloatLogSlider(value=bucket_mb, base=2, min=-12, max=3, step=0.25,
+                                      description="bucket MiB", readout_format=".3g"),
+        "bandwidth": w.FloatLogSlider(value=gbs, base=10, min=-3, max=3, step=0.05,
+                                      description="link GB/s", readout_format=".3g"),
+        "latency": w.FloatLogSlider(value=min(max(alpha * 1e6, 0.1), 1e4), base=10, min=-1,
+                                    max=4, step=0.05, description="latency µs",
+                                    readout_format=".3g")}
+    return _panel(controls, lambda **v: _bucket_draw(numels, arrivals, n, element_bytes, **v))
 
 
 # ----------------------------------------------------------------------------- 02: loss scaling
