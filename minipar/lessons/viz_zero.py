@@ -5,6 +5,8 @@
                           (lessons 01 and 02 draw their steps with it too)
     gather_timeline(...)  ZeRO-3's gathers and frees over one step (`demos.zero3_trace` records
                           them), and the gathered bytes held
+    gather_exposure(rows) each all-gather's time and the compute's wait for it, predicted beside
+                          measured (`demos_zero.gather_rows`)
 """
 from __future__ import annotations
 
@@ -133,5 +135,31 @@ def gather_timeline(trace: dict, predicted_peak: int | None = None,
         ax_b.legend(fontsize=8, loc="upper right")
     ax_b.set(xlabel="time since the step began (ms)", ylabel="gathered (MiB)")
     ax_b.grid(alpha=0.3)
+    fig.suptitle(title)
+    return fig
+
+
+def gather_exposure(rows: list[dict], title: str = "ZeRO-3: each all-gather, predicted and "
+                    "measured") -> Figure:
+    """`demos_zero.gather_rows` drawn, one group of bars per all-gather of the step (F: forward,
+    B: backward). Top: the all-gather's time, predicted (alpha-beta) and measured (median, bar
+    from min to max). Bottom: how long the compute waited for it, predicted and measured."""
+    x = np.arange(len(rows))
+    labels = [f"{r['phase'][0].upper()} {r['unit']}" for r in rows]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True, layout="constrained")
+    for ax, key, pred, what in ((axes[0], "gather", "predicted", "all-gather (ms)"),
+                                (axes[1], "exposed", "exposed_predicted", "compute waited (ms)")):
+        meas = np.array([r[key] for r in rows]) * 1e3
+        spread = np.array([[r[key] - r[key + "_spread"][0], r[key + "_spread"][1] - r[key]]
+                           for r in rows]).T * 1e3
+        ax.bar(x - 0.2, [r[pred] * 1e3 for r in rows], 0.4, color="#BBBBBB", hatch="//",
+               label="predicted")
+        ax.bar(x + 0.2, meas, 0.4, yerr=spread, capsize=2, color="#4C72B0",
+               label="measured (median, min-max)")
+        ax.set_ylabel(what)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper right")
+    axes[1].set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    axes[1].set_xlabel("all-gather (F: before a forward, B: before a backward)")
     fig.suptitle(title)
     return fig
