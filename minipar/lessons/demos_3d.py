@@ -1,4 +1,5 @@
-"""Worker functions for the 3D-parallelism lesson (06): `minipar.launch(demos_3d.layouts, 8, ...)`.
+"""Worker functions for the 3D-parallelism lesson (06): `minipar.launch(demos_3d.layouts, 8, ...)`,
+and `measured`, the same with the planner's calibration of this machine first.
 
 They live in a module for the reason `demos.py` gives: `launch` starts fresh processes, which import
 the function by name. Each returns plain data (lists, dicts) for the notebook to check.
@@ -30,3 +31,25 @@ def layouts(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
     jobs = [dict(par=par, save=(save or {}).get(i)) for i, par in enumerate(pars)]
     return train_layouts(jobs, cfg=cfg, steps=steps, global_batch=global_batch, lr=lr,
                          weight_decay=weight_decay, return_state=return_state)
+
+
+def measured(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
+             weight_decay: float = 0.0, save: dict | None = None, return_state: bool = False,
+             then: tuple = ()) -> dict:
+    """This machine measured for the planner, then `layouts`, then the jobs of `then`, in one
+    launch. First what `planner.this_machine` measures in a launch of its own (calibrate.py's
+    `machine_rank` on rank 0, then `link_rank`'s probes on every rank); then the
+    layouts, as `layouts` trains them; then, after a barrier (a checkpoint `save` wrote is on
+    disk), each job of `then`: a dict of train_rank's keyword arguments (par, and any of steps,
+    resume...), with the layouts' common ones. Returns {"machine": machine_rank's dict, "links":
+    link_rank's, "layouts": `layouts`' list, "then": the jobs' RankResults}, of which
+    `calibrate.with_links(None, [r["links"] for r in ranks], ranks[0]["machine"])` makes a CPU."""
+    import torch.distributed as dist
+
+    from minipar.planner import calibrate
+    machine, links = calibrate.machine_rank(), calibrate.link_rank()
+    out = layouts(cfg, pars, steps, global_batch, lr, weight_decay, save, return_state)
+    dist.barrier()
+    done = train_layouts(list(then), cfg=cfg, steps=steps, global_batch=global_batch, lr=lr,
+                         weight_decay=weight_decay, return_state=return_state) if then else []
+    return {"machine": machine, "links": links, "layouts": out, "then": done}

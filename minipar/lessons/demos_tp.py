@@ -3,6 +3,9 @@
 
     tp_block_timing(cfg, widths)   one tensor-parallel transformer block's forward and backward,
                                    its f/g collectives timed apart from the rest (the matmuls)
+    all_reduce_timing(sizes)       minipar's ring all-reduce alone, at each size: the points the
+                                   lesson fits its latency-bandwidth model to
+    block_and_ring(cfg, widths, sizes)  both in one launch (a launch costs seconds here)
 """
 from __future__ import annotations
 
@@ -92,3 +95,31 @@ def tp_block_timing(cfg="tiny", widths=(None,), batch: int = 4, reps: int = 20, 
         out.append(dict(h=c.d_model, **times, quartiles=quartiles, bytes=sent[0],
                         calls=dict(stats.calls), same_bytes=all(s == sent[0] for s in sent)))
     return out
+
+
+def all_reduce_timing(sizes, reps: int = 10, warmup: int = 2) -> dict[int, list[float]]:
+    """{bytes: seconds of each of `reps` calls} of `comm.all_reduce` (the ring a TPGroup's f and g
+    run) on an fp32 tensor of each size in `sizes` (bytes), over this world, after `warmup` untimed
+    calls, a barrier before each: the same clock as TimedTPGroup's."""
+    out = {}
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4, device=rank_device())
+        times = []
+        for i in range(warmup + reps):
+            dist.barrier()
+            sync_device()
+            start = time.perf_counter()
+            comm.all_reduce(x)
+            sync_device()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        out[nbytes] = times
+    return out
+
+
+def block_and_ring(cfg="tiny", widths=(None,), sizes=(), batch: int = 4, reps: int = 20,
+                   warmup: int = 3) -> dict:
+    """`tp_block_timing` then `all_reduce_timing(sizes)`, in one launch: {"blocks": the first's
+    list, "all_reduce": the second's dict}."""
+    blocks = tp_block_timing(cfg, widths, batch, reps, warmup)
+    return {"blocks": blocks, "all_reduce": all_reduce_timing(sizes, reps, warmup)}

@@ -68,10 +68,12 @@ def rank_grid(mesh, labels: dict[int, str], title: str = "") -> Figure:
 
 
 def throughput(labels: list[str], tokens_per_s: list[float], sent: list[float] | None = None,
-               title: str = "", predicted: list[float] | None = None) -> Figure:
+               title: str = "", predicted: list[float] | None = None,
+               predicted_tokens: list[float] | None = None) -> Figure:
     """Tokens per second of each layout (bars) and, if given, the bytes each rank sends per step
     (right panel, the mean over ranks, measured), with the values written on the bars; `predicted`
-    (bytes, the same mean from the formulas) draws a black tick on each bar of that panel."""
+    (bytes, the same mean from the formulas) draws a black tick on each bar of that panel, and
+    `predicted_tokens` (tokens per second, the planner's) one on each bar of the first."""
     panels = 2 if sent is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 0.8 + 0.32 * len(labels)),
                              squeeze=False,
@@ -88,13 +90,16 @@ def throughput(labels: list[str], tokens_per_s: list[float], sent: list[float] |
         ax.set_xlabel(xlabel)
         ax.set_xlim(0, 1.2 * max(values) if max(values) > 0 else 1)
         ax.grid(axis="x", alpha=0.3)
+    ticks = [(axes[0, 0], predicted_tokens, tokens_per_s)]
     if sent is not None and predicted is not None:
-        ax = axes[0, 1]
-        kib = [b / 2**10 for b in predicted]
-        ax.scatter(kib, y, marker="|", s=250, linewidths=2, color="black", zorder=3,
+        ticks.append((axes[0, 1], [b / 2**10 for b in predicted], [b / 2**10 for b in sent]))
+    for ax, values, measured in ticks:
+        if values is None:
+            continue
+        ax.scatter(values, y, marker="|", s=250, linewidths=2, color="black", zorder=3,
                    label="predicted")
-        ax.set_xlim(0, 1.2 * max(kib + [b / 2**10 for b in sent] + [1e-9]))
-        ax.legend(loc="lower right", fontsize=7)
+        ax.set_xlim(0, 1.2 * max(list(values) + list(measured) + [1e-9]))
+        ax.legend(loc="lower left", bbox_to_anchor=(1.0, 0.0), fontsize=7)   # beside: no bar hidden
     axes[0, 0].set_yticks(y, labels, fontsize=8)
     axes[0, 0].invert_yaxis()
     if title:
