@@ -49,6 +49,7 @@ def memory_bars(runs: dict[str, list[dict]], title: str = "memory per rank") -> 
         bottom += mib
     for x, total in enumerate(bottom):
         ax.text(x, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.12 * max(bottom, default=1))  # room above the tallest bar for its total
     ax.set(ylabel="MiB (fullest rank)", title=title)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
