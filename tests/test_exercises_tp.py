@@ -27,6 +27,14 @@ def cuts_the_wrong_dimension(x_shard, weight, bias, dist):
     return y + bias
 
 
+def chunks_unevenly(x_shard, weight, bias, dist):
+    """torch.chunk, not tensor_split: 10 features on 3 ranks become 4, 4, 2, not 4, 3, 3."""
+    rank, t = dist.get_rank(), dist.get_world_size()
+    y = x_shard @ weight.chunk(t, dim=1)[rank].T
+    dist.all_reduce(y)
+    return y + bias
+
+
 def dp_innermost(rank, dp, tp, pp):
     """Data parallelism innermost: consecutive ranks are replicas."""
     return rank % dp, (rank // dp) % tp, rank // (dp * tp)
@@ -44,7 +52,8 @@ def test_the_row_parallel_answer_passes():
 
 @pytest.mark.parametrize("wrong,message", [(forgets_the_sum, "the sum over ranks is missing"),
                                            (bias_on_every_rank, "holds the bias 3 times"),
-                                           (cuts_the_wrong_dimension, "tensor_split(t, dim=1)")])
+                                           (cuts_the_wrong_dimension, "tensor_split(t, dim=1)"),
+                                           (chunks_unevenly, "tensor_split(t, dim=1)")])
 def test_wrong_row_parallels_are_caught(wrong, message):
     with pytest.raises(AssertionError) as caught:
         exercises_tp.check_row_parallel(wrong, cases=((3, 10, 7),))
@@ -64,10 +73,11 @@ def test_the_coords_answer_passes():
     assert "8 shapes" in exercises_tp.check_coords(solutions.coords)
 
 
-@pytest.mark.parametrize("wrong", [dp_innermost, forgets_dp])
-def test_wrong_coords_are_caught(wrong):
-    with pytest.raises(AssertionError, match="tp innermost"):
+@pytest.mark.parametrize("wrong,hint", [(dp_innermost, "are one TP group"), (forgets_dp, "is off")])
+def test_wrong_coords_are_caught(wrong, hint):
+    with pytest.raises(AssertionError, match="tp innermost") as caught:
         exercises_tp.check_coords(wrong)
+    assert hint in str(caught.value), str(caught.value)
 
 
 def test_a_tp_block_calls_what_the_lesson_says():

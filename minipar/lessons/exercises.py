@@ -159,31 +159,47 @@ class CountingDist:
         raise AttributeError(f"dist.{name}: this exercise allows only point-to-point calls {P2P}")
 
 
-def run_on_threads(fn, world: int, numel: int) -> list[dict]:
-    """fn(rank_input(r, numel), ThreadDist) on `world` threads; per rank {"out", "bytes",
-    "messages"}. AssertionError if a rank raised (its error first) or hung."""
-    boxes = {(s, d): queue.Queue() for s in range(world) for d in range(world) if s != d}
-    dists = [ThreadDist(r, world, boxes) for r in range(world)]
+class Abandoned(AssertionError):
+    """A rank left waiting in a collective: another rank raised, or never came."""
+
+
+def on_threads(world: int, body, abort=None) -> list:
+    """[body(rank) for every rank], each on its own thread. AssertionError if a rank raised (an
+    AssertionError as it is, another error with its rank) or hung; a rank that raises calls
+    `abort()`, which frees the ranks waiting for it (they raise Abandoned), and its error is the
+    one reported."""
     results, errors = [None] * world, [None] * world
 
-    def rank_main(r: int) -> None:
+    def main(r: int) -> None:
         try:
-            results[r] = fn(rank_input(r, numel), dists[r])
+            results[r] = body(r)
         except BaseException as e:  # reported below, with the rank
             errors[r] = e
+            if abort is not None and not isinstance(e, Abandoned):
+                abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=3 * WAIT_S)
     for r, t in enumerate(threads):
         assert not t.is_alive(), f"rank {r} is still running after {3 * WAIT_S:.0f} s: a hang"
-    for r, e in enumerate(errors):
+    # the cause first, then who waited for it
+    for r, e in sorted(enumerate(errors), key=lambda re: isinstance(re[1], Abandoned)):
         if isinstance(e, AssertionError):
             raise e
         if e is not None:
             raise AssertionError(f"rank {r} raised {type(e).__name__}: {e}") from e
+    return results
+
+
+def run_on_threads(fn, world: int, numel: int) -> list[dict]:
+    """fn(rank_input(r, numel), ThreadDist) on `world` threads; per rank {"out", "bytes",
+    "messages"}. AssertionError if a rank raised (its error first) or hung."""
+    boxes = {(s, d): queue.Queue() for s in range(world) for d in range(world) if s != d}
+    dists = [ThreadDist(r, world, boxes) for r in range(world)]
+    results = on_threads(world, lambda r: fn(rank_input(r, numel), dists[r]))
     return [{"out": results[r], "bytes": d.bytes_sent, "messages": d.messages}
             for r, d in enumerate(dists)]
 

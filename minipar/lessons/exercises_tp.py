@@ -24,14 +24,14 @@ import torch
 import torch.nn as nn
 
 from minipar import comm
-from minipar.lessons.exercises import WAIT_S, ThreadDist
+from minipar.lessons.exercises import WAIT_S, Abandoned, ThreadDist, on_threads
 from minipar.mesh import Mesh
 from minipar.tensor_parallel import ParallelAttention, ParallelMLP, RowParallelLinear, TPGroup
 
 
 class Meeting:
     """Where `world` threads meet for a collective: `exchange(rank, x)` returns every rank's x, in
-    rank order, once all have arrived."""
+    rank order, once all have arrived. `abort()` (a rank raised) frees the others at once."""
 
     def __init__(self, world: int):
         self.slots, self.barrier = [None] * world, threading.Barrier(world, timeout=WAIT_S)
@@ -40,9 +40,12 @@ class Meeting:
         try:
             self.barrier.wait()
         except threading.BrokenBarrierError:
-            raise AssertionError(f"rank {rank} waited {WAIT_S:.0f} s in a collective that another "
-                                 "rank never joined: every rank must call it, as many times, in "
-                                 "the same order") from None
+            raise Abandoned(f"rank {rank} waited {WAIT_S:.0f} s in a collective that another "
+                            "rank never joined: every rank must call it, as many times, in "
+                            "the same order") from None
+
+    def abort(self) -> None:
+        self.barrier.abort()
 
     def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
         self.slots[rank] = x.detach().clone()
@@ -92,32 +95,6 @@ class ThreadTPGroup(TPGroup):
             met("all_gather", lambda x, parts: torch.cat(parts)))
 
 
-def on_threads(world: int, body) -> list:
-    """[body(rank) for every rank], each on its own thread. AssertionError if a rank raised (an
-    AssertionError as it is, another error with its rank) or hung."""
-    results, errors = [None] * world, [None] * world
-
-    def main(r: int) -> None:
-        try:
-            results[r] = body(r)
-        except BaseException as e:  # reported below, with the rank
-            errors[r] = e
-
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=3 * WAIT_S)
-    for r, t in enumerate(threads):
-        assert not t.is_alive(), f"rank {r} is still running after {3 * WAIT_S:.0f} s: a hang"
-    for r, e in enumerate(errors):
-        if isinstance(e, AssertionError):
-            raise e
-        if e is not None:
-            raise AssertionError(f"rank {r} raised {type(e).__name__}: {e}") from e
-    return results
-
-
 # ----------------------------------------------------------------------------- lesson 04
 
 
@@ -135,7 +112,7 @@ def _row_ranks(fn, t: int, linear: nn.Linear, x: torch.Tensor) -> list[dict]:
         y = fn(x.tensor_split(t, -1)[r].clone(), linear.weight.detach().clone(),
                linear.bias.detach().clone(), dist)
         return {"y": y, "all_reduces": dist.all_reduces}
-    return on_threads(t, body)
+    return on_threads(t, body, meeting.abort)
 
 
 def _minipar_row(t: int, linear: nn.Linear, x: torch.Tensor) -> list[torch.Tensor]:
@@ -143,7 +120,8 @@ def _minipar_row(t: int, linear: nn.Linear, x: torch.Tensor) -> list[torch.Tenso
     meeting = Meeting(t)
     with torch.no_grad():
         return on_threads(t, lambda r: RowParallelLinear(
-            linear, ThreadTPGroup(None, t, r, meeting=meeting))(x.tensor_split(t, -1)[r]))
+            linear, ThreadTPGroup(None, t, r, meeting=meeting))(x.tensor_split(t, -1)[r]),
+            meeting.abort)
 
 
 def check_row_parallel(fn, cases=ROW_CASES) -> str:
@@ -221,7 +199,7 @@ def block_calls(cfg, t: int, sequence_parallel: bool, batch: int = 1) -> dict:
         stats.calls.clear()
         y.backward(torch.ones_like(y))
         return {"forward": forward, "backward": dict(stats.calls)}
-    return on_threads(t, body)[0]
+    return on_threads(t, body, meeting.abort)[0]
 
 
 # ----------------------------------------------------------------------------- lesson 06
@@ -242,10 +220,14 @@ def check_coords(fn, shapes=COORD_SHAPES) -> str:
         for r, (g, w) in enumerate(zip(got, want)):
             if g != w:
                 tp_group = [got[i] for i in mesh.axis_groups("tp")[0]]
+                wrong = [name for name, i in (("dp_rank", 0), ("tp_rank", 1), ("pp_rank", 2))
+                         if g[i] != w[i]]
+                where = (f"consecutive ranks 0..{tp - 1} are one TP group (your answer places "
+                         f"them at {tp_group})" if "tp_rank" in wrong else
+                         f"your {' and '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} off")
                 raise AssertionError(
                     f"dp={dp}, tp={tp}, pp={pp}: rank {r} -> {g}, minipar's grid has it at "
                     f"(dp_rank, tp_rank, pp_rank) = {w}. minipar puts tp innermost, then dp, then "
-                    f"pp: consecutive ranks 0..{tp - 1} are one TP group (your answer places them "
-                    f"at {tp_group}), rank = (pp_rank·dp + dp_rank)·tp + tp_rank")
+                    f"pp: {where}; rank = (pp_rank·dp + dp_rank)·tp + tp_rank")
     return (f"coords correct for {len(shapes)} shapes (dp, tp, pp): {list(shapes)}, every rank "
             "where minipar.mesh.Mesh puts it")

@@ -87,12 +87,13 @@ def check_sharded_step(fn, cases=CASES, steps: int = STEPS) -> str:
             if far.max() > 0.01 * lr:
                 k = int(far.argmax())
                 rank = k // cuts[0][2]
-                real = numel - cuts[rank][0]  # its elements before the padding
-                owner = [r for r, (lo, _, size) in enumerate(cuts)
-                         if torch.allclose(shards[rank][:min(size, real, numel - lo)],
-                                           want[lo:lo + min(size, real)], atol=0.01 * lr)]
-                hint = (f" (rank {rank}'s shard matches rank {owner[0]}'s elements: is the "
-                        "offset rank * shard size?)" if owner and owner[0] != rank else
+                lo, size = cuts[rank][0], cuts[rank][2]
+                m = min(size, numel - lo)  # its elements before the padding
+                at = [o for o in range(numel - m + 1)
+                      if torch.allclose(shards[rank][:m], want[o:o + m], atol=0.01 * lr)]
+                hint = (f" (rank {rank}'s shard holds the updates of elements [{at[0]}, "
+                        f"{at[0] + m}), its own are [{lo}, {lo + m}): is the offset rank * "
+                        f"ceil(P/N) = {rank} * {size}?)" if at and at[0] != lo else
                         " (check the update: AdamW's decoupled weight decay, the two moments, "
                         "their bias corrections 1 - beta^t with t counting this rank's steps, "
                         "eps outside the square root)")
