@@ -94,6 +94,20 @@ def execute(path: Path):
     return nb, time.perf_counter() - start
 
 
+def cell_seconds(nb) -> list[tuple[float, int]]:
+    """(seconds, cell index) of each code cell, from the timing nbclient records, slowest first."""
+    from datetime import datetime
+
+    times = []
+    for i, cell in enumerate(nb.cells):
+        run = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in run and "shell.execute_reply" in run:
+            start, end = (datetime.fromisoformat(run[k].replace("Z", "+00:00"))
+                          for k in ("iopub.execute_input", "shell.execute_reply"))
+            times.append(((end - start).total_seconds(), i))
+    return sorted(times, reverse=True)
+
+
 def _provenance(seconds: float) -> str:
     import torch
 
@@ -157,11 +171,13 @@ def build(names: list[str] | None = None) -> list[tuple[str, float, int]]:
         if names and path.stem not in names:
             continue
         nb, seconds = execute(path)
+        slow = ", ".join(f"cell {i} {t:.1f} s" for t, i in cell_seconds(nb)[:3])
         text = page(path, nb, seconds)
         (SITE / f"{path.stem}.html").write_text(text)
         figures = int(re.search(r"minipar-figures\" content=\"(\d+)", text).group(1))
         done.append((path.stem, seconds, figures))
-        print(f"{path.stem:<22} {seconds:6.1f} s  {figures:3d} figures", flush=True)
+        print(f"{path.stem:<22} {seconds:6.1f} s  {figures:3d} figures  (slowest: {slow})",
+              flush=True)
     (SITE / "index.html").write_text(index())
     return done
 
