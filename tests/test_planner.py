@@ -69,6 +69,26 @@ def test_planner_stages_and_memory_predict_are_one_functions_output(dp, tp, pp, 
         assert est.stages[r] == memory.predict(cfg, est.par, dp * m * b, pp_rank=r)
 
 
+
+@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("layers", [(1, 2, 3, 2), (3, 2, 1, 2)])
+def test_planner_stage_memory_follows_each_chunks_own_layers(zero, layers):
+    """Interleaved, chunks of different sizes on one rank (chunk 0 holds the embeddings, chunk 3 the
+    head): each stage's states are rank_states of its own chunks' units, as the full split cuts
+    them (the planner caches them per rank)."""
+    from minipar.planner.predict import sized
+
+    cfg = GPTConfig.preset("tiny", n_layer=sum(layers))
+    par = ParallelConfig(dp=2, pp=2, zero=zero, schedule="interleaved-1f1b", virtual_stages=2,
+                         microbatches=2, precision="bf16")
+    est = sized(cfg, par, Cluster.preset(A100), 8, 2, list(layers), (2, 2))
+    for r in range(2):
+        mine = lambda of: memory.rank_units(cfg, 1, list(layers), 2, r, of=of)  # noqa: E731
+        gathered = memory.zero3_gathered(cfg, par, r, list(layers)) if zero == 3 else None
+        states = memory.rank_states(par, mine(memory.chunk_units), memory.layout_bytes("bf16"), 0,
+                                    mine(memory.chunk_params), gathered)
+        assert {c: est.stages[r][c] for c in states} == states, r
+
 # ----------------------------------------------------------------------------- Korthikanti et al. 2022
 
 # name: (heads, hidden, layers, pp, GPUs, global batch, micro-batch, virtual stages,

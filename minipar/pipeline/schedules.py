@@ -189,7 +189,9 @@ def schedule(name: str, stages: int, microbatches: int,
 def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> tuple:
     """`schedule`, cached and immutable (a tuple of each rank's tuple of actions): the planner, its
     plots and the memory model walk the same schedules many times, and may share them safely."""
-    return tuple(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
+    actions = tuple(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
+    check(actions, stages, microbatches, virtual_stages)   # once: callers may simulate unchecked
+    return actions
 
 
 # -----------------------------------------------------------------------------
@@ -205,26 +207,41 @@ def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, du
     Returns ({action: (rank, start, end)}, stuck), stuck being [(rank, action, missing input)] for
     the ranks that could not finish: a deadlock, i.e. a cycle of same-rank order and data edges.
     """
-    chunks = stages * virtual_stages
-    done, clock, nxt = {}, [0.0] * len(actions), [0] * len(actions)
-    progress = True
-    while progress:
-        progress = False
-        for r, ops in enumerate(actions):
-            while nxt[r] < len(ops):
-                a = ops[nxt[r]]
-                needs = inputs(a, chunks)
-                if any(d not in done for d in needs):
-                    break
-                start = max([clock[r]] + [done[d][2] + (latency if done[d][0] != r else 0.0)
-                                          for d in needs])
-                clock[r] = start + (duration(r, a) if duration else 0.0)
-                done[a] = (r, start, clock[r])
-                nxt[r] += 1
-                progress = True
+    cached = isinstance(actions, tuple) and all(isinstance(ops, tuple) for ops in actions)
+    order, stuck = (_order if cached else _order.__wrapped__)(actions, stages * virtual_stages)
+    done, clock = {}, [0.0] * len(actions)
+    for r, a, needs in order:
+        start = max([clock[r]] + [done[d][2] + (latency if done[d][0] != r else 0.0)
+                                  for d in needs])
+        clock[r] = start + (duration(r, a) if duration else 0.0)
+        done[a] = (r, start, clock[r])
+    return done, list(stuck)
+
+
+@functools.lru_cache(maxsize=64)
+def _order(actions: tuple, chunks: int) -> tuple[tuple, tuple]:
+    """(an order `replay` can run the actions in, as (rank, action, its inputs); stuck): each rank
+    in its list's order, each action after its inputs. Which order that is does not depend on the
+    durations, so a schedule's is found once (cached for immutable `cached_schedule`s)."""
+    order, done, nxt = [], set(), [0] * len(actions)
+    waiting, ready = {}, list(range(len(actions)))   # input -> ranks blocked on it; ranks to run
+    while ready:
+        r = ready.pop()
+        ops = actions[r]
+        while nxt[r] < len(ops):
+            a = ops[nxt[r]]
+            needs = inputs(a, chunks)
+            missing = next((d for d in needs if d not in done), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            order.append((r, a, needs))
+            done.add(a)
+            nxt[r] += 1
+            ready += waiting.pop(a, ())
     stuck = [(r, ops[nxt[r]], next(d for d in inputs(ops[nxt[r]], chunks) if d not in done))
              for r, ops in enumerate(actions) if nxt[r] < len(ops)]
-    return done, stuck
+    return tuple(order), tuple(stuck)
 
 
 def check(actions: list[list[Action]], stages: int, microbatches: int,

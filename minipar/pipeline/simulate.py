@@ -108,7 +108,7 @@ def _cost_fn(cost, chunks: int, split: bool):
 
 
 def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1,
-             cost=None, latency: float = 0.0) -> Timeline:
+             cost=None, latency: float = 0.0, checked: bool = False) -> Timeline:
     """The timeline of `actions` (checked first) when each op takes
     cost[op] and each message `latency`.
 
@@ -116,14 +116,17 @@ def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtua
     chunk. Per action, i.e. per (chunk, micro-batch): with v chunks per rank, pass a rank's per
     micro-batch cost divided by v to compare schedules at equal model size. "B" is the input
     gradient and "W" the weight gradient; a schedule with no W actions runs the whole backward in
-    its B, which then costs t_B + t_W (a missing key counts 0).
+    its B, which then costs t_B + t_W (a missing key counts 0). checked=True skips `check`, for
+    actions that passed it already (`cached_schedule`'s: the planner simulates them many times).
     """
-    check(actions, stages, microbatches, virtual_stages)
+    if not checked:
+        check(actions, stages, microbatches, virtual_stages)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0} if cost is None else cost
     split = any(a.op == "W" for ops in actions for a in ops)
     duration = _cost_fn(cost, stages * virtual_stages, split)
     done, _ = replay(actions, stages, virtual_stages, duration, latency)
-    return Timeline([[(Action(*a), *done[a][1:]) for a in ops] for ops in actions])
+    return Timeline([[(a if type(a) is Action else Action(*a), start, end)   # plain tuples too
+                      for a in ops for _, start, end in (done[a],)] for ops in actions])
 
 
 def to_chrome_trace(timeline: Timeline, path=None) -> dict:

@@ -169,18 +169,24 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
     """{category: bytes} of a GPU of each pipeline rank: memory.rank_states of the units it holds
     (memory.rank_units; DP rank 0, the fullest) and the activation peak of its schedule `actions`
     (memory.pipeline_activations), at `per` bytes a parameter and `e` an activation element."""
-    # Korthikanti's attention matrix, 5 a s^2 b / t bytes a layer, if materialized and kept
-    kept = materialized and par.recompute == "none"
-    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0
+    kept = materialized and par.recompute == "none"  # Korthikanti's attention matrix, 5as^2b/t
+    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0   # bytes a layer
     peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
-    units = [memory.rank_units(cfg, par.tp, layers, par.pp, r) for r in range(par.pp)]
-    params = [memory.rank_units(cfg, par.tp, layers, par.pp, r, of=memory.chunk_params)
-              for r in range(par.pp)]  # ZeRO-1/2's buckets are cut from them
-    gathered = [memory.zero3_gathered(cfg, par, r, layers) if par.zero == 3 else None
-                for r in range(par.pp)]
-    states = [memory.rank_states(par, units[r], per, 0, params[r], gathered[r])
-              for r in range(par.pp)]
-    return [memory.by_category(states[r], peaks[r]) for r in range(par.pp)]
+    return [memory.by_category(_rank_states(cfg, par, tuple(per.items()), r,
+                                            tuple(layers[r::par.pp])), peaks[r])
+            for r in range(par.pp)]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _rank_states(cfg, par, per: tuple, r: int, held: tuple) -> dict:
+    """memory.rank_states of pipeline rank r (DP rank 0) whose chunks hold `held` layers. Cached:
+    the planner sizes many splits of a layout, and moving a layer changes two ranks' states."""
+    layers = [0] * (par.pp * par.virtual_stages)
+    layers[r::par.pp] = held
+    units, params = (memory.rank_units(cfg, par.tp, layers, par.pp, r, of=of)  # ZeRO-3's; buckets'
+                     for of in (memory.chunk_units, memory.chunk_params))
+    gathered = memory.zero3_gathered(cfg, par, r, layers) if par.zero == 3 else None
+    return memory.rank_states(par, units, dict(per), 0, params, gathered)
 
 
 def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
@@ -220,13 +226,14 @@ def _share_unit(par) -> int:
     return par.pp if par.schedule == "interleaved-1f1b" else 1
 
 
-def capacities(cluster, par) -> list[float]:
+@functools.lru_cache(maxsize=4096)
+def capacities(cluster, par) -> tuple[float, ...]:
     """What each pipeline stage's counted tensors may fill: the smallest memory_per_gpu of its
     GPUs times their kind's `usable` fraction (the rest is the allocator's, the collectives' and
     the kernels' workspaces, and the CUDA context: Cluster.usable)."""
-    return [min(cluster.device(x).memory_per_gpu * cluster.device(x).usable
-                for x in grid_ranks(par.dp, par.tp, par.pp, pp_rank=r))
-            for r in range(par.pp)]
+    return tuple(min(cluster.device(x).memory_per_gpu * cluster.device(x).usable
+                     for x in grid_ranks(par.dp, par.tp, par.pp, pp_rank=r))
+                 for r in range(par.pp))
 
 
 def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
@@ -301,7 +308,7 @@ def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, l
     proportions share one simulation (cached: the caller must not modify it)."""
     cost = {"F": list(F), "B": list(B), "W": list(W)}
     actions = pipeline.cached_schedule(name, p, m, v)
-    return pipeline.simulate(actions, p, m, v, cost=cost, latency=latency)
+    return pipeline.simulate(actions, p, m, v, cost=cost, latency=latency, checked=True)
 
 
 def _pipeline_time(par, costs: list[dict], m: int, latency: float):
