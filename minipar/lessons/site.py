@@ -129,6 +129,12 @@ def page(path: Path, nb, seconds: float) -> str:
     (SITE / STYLE).write_text("\n".join(re.sub(r"</?style[^>]*>", "", s) for s in styles))
     body = re.sub(r"<style[^>]*>.*?</style>\s*", "", body, flags=re.S)
     body = re.sub(r"<script src=\"[^\"]*require[^\"]*\"></script>\s*", "", body)
+    if "class=\"jp-Mermaid" not in body:   # nbconvert's diagram loader, ~420 lines, for none
+        body = re.sub(r"<script type=\"module\">.*?</script>\s*<!-- End of mermaid "
+                      r"configuration -->", "", body, flags=re.S)
+    title = next((c.source.lstrip("# ").splitlines()[0] for c in nb.cells
+                  if c.cell_type == "markdown" and c.source.startswith("# ")), path.stem)
+    body = body.replace("<title>Notebook</title>", f"<title>{html.escape(title)}</title>", 1)
     body = body.replace("No description has been provided for this image",
                         "a figure the lesson drew")
     figures = body.count("src=\"data:image/png")
