@@ -211,8 +211,10 @@ def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, du
     order, stuck = (_order if cached else _order.__wrapped__)(actions, stages * virtual_stages)
     done, clock = {}, [0.0] * len(actions)
     for r, a, needs in order:
-        start = max([clock[r]] + [done[d][2] + (latency if done[d][0] != r else 0.0)
-                                  for d in needs])
+        start = clock[r]
+        for d in needs:   # (a plain loop: the planner replays 10^5-action schedules)
+            rank, _, end = done[d]
+            start = max(start, end + latency if rank != r else end)
         clock[r] = start + (duration(r, a) if duration else 0.0)
         done[a] = (r, start, clock[r])
     return done, list(stuck)

@@ -56,6 +56,7 @@ when its stages are on different nodes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -162,8 +163,10 @@ def attention_times(cfg, w: Work) -> tuple[float, float]:
     return scores + mix, scores + 3 * mix
 
 
+@functools.lru_cache(maxsize=4096)   # the planner costs the same layer on the same GPUs often
 def layer_cost(cfg, w: Work) -> dict[str, dict[str, float]]:
-    """Seconds of one transformer layer, {"F"|"B"|"W": {component: s}} (module docstring)."""
+    """Seconds of one transformer layer, {"F"|"B"|"W": {component: s}} (module docstring); cached:
+    callers must not modify it."""
     s, b, h, a, t = cfg.seq_len, w.b, cfg.d_model, cfg.n_head, w.t
     fwd_dense, b_dense, w_dense = dense_times(layer_matmuls(cfg, b, t), w)
     fwd_core, b_core = attention_times(cfg, w)

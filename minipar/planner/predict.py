@@ -172,7 +172,8 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
     kept = materialized and par.recompute == "none"  # Korthikanti's attention matrix, 5as^2b/t
     extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0   # bytes a layer
     peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
-    return [memory.by_category(_rank_states(cfg, par, tuple(per.items()), r,
+    states = par.replace(recompute="none")   # the states do not depend on it: one cache entry
+    return [memory.by_category(_rank_states(cfg, states, tuple(per.items()), r,
                                             tuple(layers[r::par.pp])), peaks[r])
             for r in range(par.pp)]
 
@@ -207,7 +208,10 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
         if cluster.groups else _proportional(cfg.n_layer, [1.0] * chunks)  # as partition() cuts
     rates = [cluster.rate(ranks, par.precision) for ranks in replica]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
-    est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention, overlap)
+    size = functools.lru_cache(None)(  # the moves below cycle when no split fits: size each once
+        lambda layers: sized(cfg, par, cluster, global_batch, micro_batch, list(layers), shares,
+                             attention, overlap))
+    est = size(tuple(layers))
     for _ in range(cfg.n_layer if cluster.groups else 0):  # mixed: layers out of full stages
         free = [c - sum(m.values()) for c, m in zip(capacities(cluster, par), est.stages)]
         worst, best = free.index(min(free)), free.index(max(free))
@@ -216,8 +220,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
             break
         layers[donor] -= 1
         layers[min(range(best, chunks, p), key=lambda c: layers[c])] += 1
-        est = sized(cfg, par, cluster, global_batch, micro_batch, layers, shares, attention,
-                    overlap)
+        est = size(tuple(layers))
     return est
 
 
@@ -276,24 +279,18 @@ def refine(cfg, est: Estimate) -> Estimate:
         return est
     unit = _share_unit(est.par)
     while True:
-        moves = []
-        for a, b in _neighbours(len(est.layers)):
-            if est.layers[a] > 1:
-                moves.append(([*est.layers[:a], est.layers[a] - 1, *est.layers[a + 1:]], b, None))
-        for a, b in _neighbours(len(est.shares)):
-            if est.shares[a] > unit:
-                moves.append((None, b, [*est.shares[:a], est.shares[a] - unit,
-                                        *est.shares[a + 1:]]))
+        moves = [([x - (c == a) + (c == b) for c, x in enumerate(est.layers)], est.shares)
+                 for a, b in _neighbours(len(est.layers)) if est.layers[a] > 1]
+        moves += [(est.layers, [x + unit * ((j == b) - (j == a)) for j, x in enumerate(est.shares)])
+                  for a, b in _neighbours(len(est.shares)) if est.shares[a] > unit]
         tried = []
-        for layers, b, shares in moves:
-            layers = layers and [x + (c == b) for c, x in enumerate(layers)]
-            shares = shares and [x + unit * (j == b) for j, x in enumerate(shares)]
-            moved = sized(cfg, est.par, est.cluster, est.global_batch, est.micro_batch,
-                          layers or est.layers, shares or est.shares, est.attention, est.overlap)
+        for layers, shares in moves:
+            moved = sized(cfg, est.par, est.cluster, est.global_batch, est.micro_batch, layers,
+                          shares, est.attention, est.overlap)
             if moved.fits:
                 tried.append(time_layout(cfg, moved))
-        best = min(tried, key=lambda e: e.step_time, default=None)
-        if best is None or best.step_time >= (1 - 1e-4) * est.step_time:
+        best = min(tried, key=lambda e: e.step_time, default=est)
+        if best.step_time >= (1 - 1e-4) * est.step_time:
             return est
         est = best
 
