@@ -4,6 +4,7 @@ vendor figures; mixed clusters of several kinds. No I/O here:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -108,19 +109,26 @@ class Cluster:
 
     @classmethod
     def mixed(cls, parts) -> "Cluster":
-        """One cluster of several GPU kinds, ranks numbered part after part (whole nodes each). The
-        nodes talk over the slowest NIC; capacities and speeds stay per part (`device(rank)`)."""
+        """One cluster of several kinds, ranks numbered part after part (whole islands each: a
+        part's node is its scale-up domain, e.g. 8 GPUs on NVLink, 16 Trainium2 on NeuronLink).
+        Islands talk over the scale-out network at the slowest part's NIC and latency: kinds of
+        different vendors share no collective library inside an island (NCCL, RCCL, HCCL, XLA's
+        ICI collectives, Neuron's), so what crosses islands goes through the NICs. A TP group
+        never spans islands: its all-reduces sit between dependent matmuls, where the scale-out
+        network's bandwidth would dominate, and no library runs one across vendors. So the mixed
+        cluster's gpus_per_node is the largest group that tiles every part's islands, the greatest
+        common divisor of their sizes: the TP degrees `plan` tries, and tp-innermost TP groups
+        (mesh.py) never straddle two islands. Capacities and speeds stay per part (`device`)."""
         parts = tuple(p for part in parts for p in (part.groups or (part,)))
-        if len({p.gpus_per_node for p in parts}) != 1:
-            raise ValueError("Cluster.mixed needs the same gpus_per_node in every part")
         slowest = min(parts, key=lambda p: p.peak_flops * p.efficiency)
+        tile = math.gcd(*(p.gpus_per_node for p in parts))
         return dataclasses.replace(
-            slowest, nodes=sum(p.nodes for p in parts),
-                                   name="+".join(f"{p.nodes}x{p.name}" for p in parts),
+            slowest, gpus_per_node=tile, nodes=sum(p.world for p in parts) // tile,
+            name="+".join(f"{p.nodes}x{p.name}" for p in parts),
             memory_per_gpu=min(p.memory_per_gpu for p in parts),
-                                   inter_bandwidth=min(p.inter_bandwidth for p in parts),
+            inter_bandwidth=min(p.inter_bandwidth for p in parts),
             inter_latency=max(p.inter_latency for p in parts),
-                                   groups=parts if len(parts) > 1 else ())
+            groups=parts if len(parts) > 1 else ())
 
     @property
     def world(self) -> int:
@@ -139,10 +147,19 @@ class Cluster:
             rank -= g.world
         return self
 
+    def island(self, rank: int) -> tuple[int, int]:
+        """(part, node within it) of GPU `rank`: its scale-up domain (one node when homogeneous)."""
+        for i, g in enumerate(self.groups):
+            if rank < g.world:
+                return i, rank // g.gpus_per_node
+            rank -= g.world
+        return 0, rank // self.gpus_per_node
+
     def link(self, ranks) -> Link:
-        """The link a collective among `ranks` runs on: NVLink within one node, else the NICs."""
+        """The link a collective among `ranks` runs on: the scale-up fabric (NVLink...) within one
+        island, else the NICs."""
         ranks = list(ranks)
-        if len({r // self.gpus_per_node for r in ranks}) <= 1:
+        if len({self.island(r) for r in ranks}) <= 1:
             dev = self.device(ranks[0])
             return Link(dev.intra_bandwidth, dev.intra_latency)
         return Link(self.inter_bandwidth, self.inter_latency)

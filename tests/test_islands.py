@@ -1,0 +1,61 @@
+"""Clusters of islands: scale-up domains of different sizes and kinds joined by a scale-out network
+(Cluster.mixed), and what the planner may place across them. No processes: arithmetic only."""
+import dataclasses
+
+import pytest
+
+from minipar.mesh import grid_ranks
+from minipar.model import GPTConfig
+from minipar.planner import candidates, estimate, plan
+from minipar.planner.cluster import Cluster, Link
+
+CFG = GPTConfig(n_layer=8, n_head=16, d_model=2048, vocab_size=32000, seq_len=2048)
+A100 = Cluster.preset("dgx-a100-80g")
+# a made-up kind whose scale-up domain is 16 chips wide (as a Trainium2 instance's is): half an
+# H100's speed, its own fabric
+WIDE = dataclasses.replace(Cluster.preset("dgx-h100"), gpus_per_node=16, peak_flops=500e12,
+                           intra_bandwidth=100e9, intra_latency=2e-6, inter_bandwidth=40e9,
+                           name="wide-16")
+
+
+def test_islands_of_different_sizes_tile_by_their_common_divisor():
+    mixed = Cluster.mixed([Cluster.preset("dgx-a100-80g", nodes=2), WIDE])
+    assert (mixed.world, mixed.gpus_per_node, mixed.nodes) == (32, 8, 4)
+    assert [mixed.island(r) for r in (0, 7, 8, 15, 16, 31)] == [(0, 0), (0, 0), (0, 1), (0, 1),
+                                                               (1, 0), (1, 0)]
+    assert mixed.link(range(16, 32)) == Link(WIDE.intra_bandwidth, WIDE.intra_latency)  # one island
+    assert mixed.link(range(0, 8)) == Link(A100.intra_bandwidth, A100.intra_latency)
+    for across in ((7, 8), (15, 16)):  # two A100 nodes; an A100 and the wide island
+        assert mixed.link(across) == Link(min(A100.inter_bandwidth, WIDE.inter_bandwidth),
+                                          max(A100.inter_latency, WIDE.inter_latency))
+    assert mixed.device(16).name == "wide-16" and mixed.device(15).name == "dgx-a100-80g"
+
+
+def test_no_tp_group_spans_two_islands():
+    """TP's all-reduces sit between dependent matmuls, and no collective library runs across
+    vendors: every TP group `plan` considers lies inside one island, on islands of 8 and 12."""
+    twelve = dataclasses.replace(WIDE, gpus_per_node=12, name="wide-12")
+    mixed = Cluster.mixed([A100, twelve, A100])
+    assert mixed.gpus_per_node == 4 and mixed.world == 28
+    tps = set()
+    for par, _ in candidates(CFG, mixed, global_batch=56):
+        tps.add(par.tp)
+        for g in range(par.world // par.tp):
+            group = grid_ranks(par.dp, par.tp, par.pp, dp_rank=g % par.dp, pp_rank=g // par.dp)
+            assert len({mixed.island(r) for r in group}) == 1, (par.label, group)
+    assert tps == {1, 2, 4}
+
+
+def test_a_plan_on_islands_of_two_sizes_uses_every_chip_and_its_fabric():
+    mixed = Cluster.mixed([A100, WIDE])
+    best = plan(CFG, mixed, global_batch=24, micro_batches=(1,))[0]
+    assert best.fits and best.par.world == 24 and best.par.tp <= 8
+    # the same layout with the wide island's fabric as slow as the NICs is slower
+    slow = Cluster.mixed([A100, dataclasses.replace(WIDE, intra_bandwidth=WIDE.inter_bandwidth)])
+    assert best.par.tp > 1 and estimate(CFG, best.par, slow, 24, 1).step_time > best.step_time
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_an_island_must_hold_a_chip(bad):
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        dataclasses.replace(WIDE, gpus_per_node=bad)
