@@ -6,8 +6,10 @@ import pytest
 
 from minipar.mesh import grid_ranks
 from minipar.model import GPTConfig
+from minipar.config import ParallelConfig
 from minipar.planner import candidates, estimate, plan
 from minipar.planner.cluster import Cluster, Link
+from minipar.planner.gpu_time import all_reduce
 
 CFG = GPTConfig(n_layer=8, n_head=16, d_model=2048, vocab_size=32000, seq_len=2048)
 A100 = Cluster.preset("dgx-a100-80g")
@@ -59,3 +61,24 @@ def test_a_plan_on_islands_of_two_sizes_uses_every_chip_and_its_fabric():
 def test_an_island_must_hold_a_chip(bad):
     with pytest.raises(ValueError, match="gpus_per_node"):
         dataclasses.replace(WIDE, gpus_per_node=bad)
+
+
+@pytest.mark.parametrize("name", sorted(Cluster.PRESETS))
+def test_every_catalogue_kind_stays_under_its_peaks(name):
+    """One 8-chip layout (dp 2, tp 4: a TP group inside any island) of a 1.3B model on each kind:
+    no faster than its matmul ceiling allows; an all-reduce no faster than the fabric's line rate
+    inside an island and the NICs' across two; fitting exactly when the fullest chip is within
+    its usable HBM."""
+    kind, d = Cluster.preset(name), Cluster.PRESETS[name]
+    assert (kind.peak_flops, kind.memory_per_gpu, kind.world) == (d.peak, d.hbm, d.domain)
+    cfg = GPTConfig(n_layer=24, n_head=16, d_model=2048, vocab_size=32000, seq_len=2048)
+    par = ParallelConfig(dp=2, tp=4, sequence_parallel=True, precision="bf16", recompute="selective")
+    est = estimate(cfg, par, kind, global_batch=8, micro_batch=1)
+    assert 0 < est.mfu < kind.efficiency <= 1
+    assert est.step_time > est.model_flops / (par.world * d.peak * d.ceiling)
+    two = Cluster.preset(name, nodes=2)
+    inside, across = range(8), (0, d.domain)
+    assert all_reduce(1e9, 8, two.link(inside)) > 2 * 7 / 8 * 1e9 / d.scale_up
+    assert all_reduce(1e9, 2, two.link(across)) > 1e9 / d.scale_out
+    assert two.link(across).bandwidth <= two.link(inside).bandwidth   # the NICs are the slower
+    assert est.fits == (est.peak_memory <= kind.usable * d.hbm)

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-GiB = 2 ** 30
+from minipar.planner.devices import CATALOGUE, GiB, preset
+
 
 
 def memory_unit(*nbytes: float) -> tuple[float, str]:
@@ -54,39 +55,25 @@ class Cluster:
                               # calibrate.this_machine, cluster_of): local CPU ranks, timed by
                               # cpu_time.py instead (chosen in one place, predict.time_layout)
 
-    # Vendor figures. intra_bandwidth is what NCCL moves over NVLink: 80% of the line rate (A100
-    # 300, H100 and H200 450 GB/s a direction), as NCCL's protocol costs
-    # about 20% (its maintainer, NVIDIA/nccl-tests
-    # issue 212: "450GB/s is the line rate ... NCCL can get an effective NVLink bandwidth of
-    # 370GB/s"). inter_bandwidth is one NIC per GPU at line rate: HDR 200 Gb/s = 25 GB/s, NDR 400
-    # Gb/s = 50 GB/s. Latencies are per ring step (an 8-GPU all-reduce pays 14), assumed: 1 us over
-    # NVLink, 5 us over IB.
-    PRESETS = {
-        "dgx-a100-80g": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=312e12,
-                             intra_bandwidth=0.8 * 300e9, intra_latency=1e-6, inter_bandwidth=25e9,
-                             inter_latency=5e-6, memory_bandwidth=2.039e12, sms=108),
-        "dgx-h100": dict(gpus_per_node=8, memory_per_gpu=80 * GiB, peak_flops=989e12,
-                         intra_bandwidth=0.8 * 450e9,
-                         intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                         memory_bandwidth=3.35e12, sms=132),
-        "h200": dict(gpus_per_node=8, memory_per_gpu=139 * GiB, peak_flops=989e12,
-                     intra_bandwidth=0.8 * 450e9,
-                     intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-                     memory_bandwidth=4.8e12, sms=132),           # 139 GiB: what torch reports
-                                                         #   on one H200 here
-    }
-    # The ceiling: the fraction of peak a full wave of matmul tiles reaches (gpu_time.matmul adds
-    # the tile and wave quantization and the HBM bound of each matmul's shape), one number per GPU
-    # kind, never fitted to a row of a table. A100: Korthikanti et al. 2022 Table 4 times one 22B
-    # layer with sequence parallelism (t = 8, b = 4, no recomputation) at 7.2 ms forward + 11.8 ms
-    # backward; under this model its matmuls then ran at a ceiling of 0.77
-    # (`gpu_time.fit_efficiency` redoes it; the table's other four rows then come out within
-    # 10%). H200: an 8192^3 bf16 matmul through PyTorch ran at 790 of 989 TFLOP/s on one H200
-    # (measured once for minipar, on a GPU lent for an earlier issue; not re-measured since), a
-    # ceiling of 0.82 once its last wave's idle SMs are counted (`gpu_time.ceiling_of`). H100 SXM:
-    # the same GH100 chip, SMs and peak, so the H200's ceiling, assumed (its HBM differs, and the
-    # bytes are modelled apart).
-    EFFICIENCY = {"dgx-a100-80g": 0.77, "dgx-h100": 0.82, "h200": 0.82}
+    # Vendor figures: the catalogue (devices.py), one island each. intra_bandwidth is what NCCL
+    # moves over NVLink: 80% of the line rate (A100 300, H100 and H200 450 GB/s a direction), as
+    # NCCL's protocol costs about 20% (its maintainer, NVIDIA/nccl-tests issue 212: "450GB/s is
+    # the line rate ... NCCL can get an effective NVLink bandwidth of 370GB/s"). inter_bandwidth
+    # is one NIC per GPU at line rate: HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s. Latencies
+    # are per ring step (an 8-GPU all-reduce pays 14), assumed: 1 us over NVLink, 5 us over IB.
+    #
+    # The ceiling (`efficiency`): the fraction of peak a full wave of matmul tiles reaches
+    # (gpu_time.matmul adds the tile and wave quantization and the HBM bound of each matmul's
+    # shape), one number per GPU kind, never fitted to a row of a table. A100: Korthikanti et al.
+    # 2022 Table 4 times one 22B layer with sequence parallelism (t = 8, b = 4, no
+    # recomputation) at 7.2 ms forward + 11.8 ms backward; under this model its matmuls then ran
+    # at a ceiling of 0.77 (`gpu_time.fit_efficiency` redoes it; the table's other four rows then
+    # come out within 10%). H200: an 8192^3 bf16 matmul through PyTorch ran at 790 of 989 TFLOP/s
+    # on one H200 (measured once for minipar, on a GPU lent for an earlier issue; not re-measured
+    # since), a ceiling of 0.82 once its last wave's idle SMs are counted (`gpu_time.ceiling_of`).
+    # H100 SXM: the same GH100 chip, SMs and peak, so the H200's ceiling, assumed (its HBM
+    # differs, and the bytes are modelled apart). The other kinds: devices.ASSUMED_CEILING.
+    PRESETS = CATALOGUE
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes"):
@@ -103,9 +90,8 @@ class Cluster:
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> "Cluster":
-        if name not in cls.PRESETS:
-            raise ValueError(f"unknown cluster preset {name!r}; choose from {sorted(cls.PRESETS)}")
-        return cls(nodes=nodes, efficiency=cls.EFFICIENCY[name], name=name, **cls.PRESETS[name])
+        """`nodes` islands of a catalogue kind (devices.CATALOGUE: an 8-GPU board, a TPU slice)."""
+        return cls(nodes=nodes, **preset(name))
 
     @classmethod
     def mixed(cls, parts) -> "Cluster":
