@@ -144,9 +144,10 @@ def measured(est, res) -> list[dict]:
         fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * par.pp), sharex=True,
                                  layout="constrained")
         viz_pipeline.gantt(predicted, ax=axes[0], unit="s",
-                           title=f"predicted: {predicted.makespan * 1e3:.1f} ms")
+                           title=f"predicted: {predicted.makespan:.4f} s")
         viz_pipeline.gantt(measured, ax=axes[1], unit="s",
-                           title=f"measured (last step): {measured.makespan * 1e3:.1f} ms")
+                           title=f"measured (last step): {measured.makespan:.4f} s")
+        axes[0].set_xlabel("")  # the shared time axis is labelled once, under the bottom panel
         axes[1].set_xlim(0, max(predicted.makespan, measured.makespan))
         out.append(png(fig))
     return out
@@ -178,19 +179,25 @@ def plots(est, best, pinned) -> list[dict]:
 
 def sweep(knob: str, points: list, current) -> list[dict]:
     """Step time and memory of the knobs' layout against one knob (`Explorer.sweep`'s points:
-    (value, Estimate or the rule it breaks)), the usable memory as a line, the knobs' value
-    marked; values that break a rule are listed under the plot."""
+    (value, Estimate or the rule it breaks)), the usable memory as a line (in the legend when
+    over 20x the fullest), the knobs' value marked; values that break a rule are listed under
+    the plot."""
     good = [(v, e) for v, e in points if not isinstance(e, str)]
     if knob == "none" or not good:
         return []
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 2.8), layout="constrained")
     values = [v for v, _ in good]
     xs = [str(v) for v in values]
-    unit, name = memory_unit(*(e.peak_memory for _, e in good), good[0][1].capacity)
+    peaks, capacity = [e.peak_memory for _, e in good], good[0][1].capacity
+    off = 0 < 20 * max(peaks) < capacity  # a line that far up would flatten the points: words
+    unit, name = memory_unit(*peaks) if off else memory_unit(*peaks, capacity)
     ax_t.plot(xs, [e.step_time for _, e in good], "o-", color="#4c72b0")
-    ax_m.plot(xs, [e.peak_memory / unit for _, e in good], "o-", color="#dd8452")
-    ax_m.axhline(good[0][1].capacity / unit, color="black", lw=1, ls="--", label="usable")
-    for ax, what in ((ax_t, "step s"), (ax_m, f"{name} on the fullest GPU")):
+    ax_m.plot(xs, [p / unit for p in peaks], "o-", color="#dd8452")
+    if off:
+        ax_m.plot([], [], ls="none", label=f"usable: {capacity / unit:,.0f} {name}, off the scale")
+    else:
+        ax_m.axhline(capacity / unit, color="black", lw=1, ls="--", label="usable")
+    for ax, what in ((ax_t, "step time (s)"), (ax_m, f"{name} on the fullest GPU")):
         ax.set(xlabel=knob, ylabel=what)
         ax.grid(alpha=0.3)
         if current in values:

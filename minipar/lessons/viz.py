@@ -90,7 +90,9 @@ def memory_compare(panels: dict[str, dict[str, tuple[dict, dict]]],
     axes[0, 0].set_ylabel("MiB per rank (left: predicted, right: measured)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[c]) for c in CATEGORIES]
     handles.append(plt.Rectangle((0, 0), 1, 1, fc="white", ec="grey", hatch="//"))
-    axes[0, -1].legend(handles, [*CATEGORIES, "predicted"], fontsize="small", loc="upper left",
-                       bbox_to_anchor=(1.0, 1.0))
+    handles.append(plt.Line2D([], [], ls="none"))  # no mark: explains the numbers above the pairs
+    axes[0, -1].legend(handles, [*CATEGORIES, "predicted",
+                                 "×r above a pair:\nmeasured / predicted"],
+                       fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title)
     return fig

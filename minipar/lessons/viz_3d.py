@@ -40,6 +40,7 @@ def rank_grid(mesh, labels: dict[int, str], title: str = "") -> Figure:
                 va="top", fontsize=8)
         ax.text(x + w / 2, y + h - 0.68, labels.get(rank, ""), ha="center", va="top", fontsize=7,
                 linespacing=1.3)
+    tp_groups = mesh.axis_groups("tp")  # a bracket names its group's index there, as the boxes do
     for d in range(dp):  # a data-parallel replica: a whole copy of the model, over tp x pp ranks
         x = d * (tp * w + gap)
         ax.add_patch(plt.Rectangle((x - 0.05, -0.35), tp * w + 0.1, pp * (h + 0.45) + 0.05,
@@ -53,9 +54,11 @@ def rank_grid(mesh, labels: dict[int, str], title: str = "") -> Figure:
             ax.plot([x + 0.15, x + 0.15, x + tp * w - 0.15, x + tp * w - 0.15],
                     [y + 0.06, y, y, y + 0.06],
                     color="black", lw=0.8)
-            ax.text(x + tp * w / 2, y - 0.03,
-                    f"TP group {mesh.global_rank(d, 0, s)}..{mesh.global_rank(d, tp - 1, s)}",
-                    ha="center", va="top", fontsize=7)
+            first, last = mesh.global_rank(d, 0, s), mesh.global_rank(d, tp - 1, s)
+            group = next(i for i, g in enumerate(tp_groups) if first in g)
+            ranks = f"ranks {first}..{last}" if last > first else f"rank {first}"
+            ax.text(x + tp * w / 2, y - 0.03, f"TP group {group}: {ranks}", ha="center",
+                    va="top", fontsize=7)
     ax.set_xlim(-0.3, dp * (tp * w + gap) - gap + 0.3)
     ax.set_ylim(-0.45, pp * (h + 0.45) + 0.2)
     ax.set_yticks([y_of(mesh.coords(mesh.global_rank(0, 0, s))) + h / 2 for s in range(pp)],

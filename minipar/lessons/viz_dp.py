@@ -10,6 +10,7 @@ import statistics
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerTuple
 
 
 def step_spans(spans: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
@@ -69,8 +70,11 @@ def compute_and_comm(runs: dict[str, list[list[tuple[str, float, float]]]],
         ax.set_title(label, fontsize=10, loc="left")
         ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, hatch="//" if k == "wait" else None, ec="white")
-               for k, c in _COMPUTE.items()] + [plt.Rectangle((0, 0), 1, 1, color="#55A868")]
-    axes[0, 0].legend(handles, ["forward", "backward", "wait (blocked in finish)", comm_label],
+               for k, c in _COMPUTE.items()]
+    handles.append(tuple(plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#55A868", "#2E7D46")))
+    axes[0, 0].legend(handles, ["forward", "backward", "wait (blocked in finish)",
+                                f"{comm_label} (buckets alternate shades)"],
+                      handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
                       fontsize=8, ncols=4, loc="lower right", bbox_to_anchor=(1.0, 1.0))
     axes[-1, 0].set_xlim(0, longest * 1.01)
     axes[-1, 0].set_xlabel("time (ms)")
@@ -101,8 +105,9 @@ def sync_sweep(series: dict[str, list[tuple[int, str, dict]]],
                         label=label)
             if phase == "step" and k == 0:
                 for (m, name, _), y in zip(points, mid):
-                    ax.annotate(name, (m, y), fontsize=7, xytext=(5, -10),
-                                textcoords="offset points")
+                    last = m == points[-1][0]  # the rightmost: its label goes left, inside the axes
+                    ax.annotate(name, (m, y), fontsize=7, xytext=(-6, 4) if last else (5, -10),
+                                textcoords="offset points", ha="right" if last else "left")
     for ax, name in zip(axes, _PHASES.values()):
         ax.set_xscale("log")
         ax.set_xticks(counts, [str(c) for c in counts])

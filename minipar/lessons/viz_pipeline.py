@@ -104,11 +104,13 @@ def gantt(timeline, ax=None, title: str | None = None, unit: str | None = None) 
     for r, rank in enumerate(timeline.events):
         ax.barh(r, span, left=0, height=0.8, color="#E6E6E6")  # idle background, covered where busy
         for a, s, e in rank:
+            hatch = _CHUNK_HATCH[(a.stage // p) % len(_CHUNK_HATCH)]
             ax.barh(r, e - s, left=s, height=0.8, color=_PIPELINE[a.op], ec="white", lw=0.5,
-                    hatch=_CHUNK_HATCH[(a.stage // p) % len(_CHUNK_HATCH)])
-            if e - s >= span / 90:  # label only boxes wide enough to read
+                    hatch=hatch)
+            if e - s >= span / 90:  # label only boxes wide enough to read, clear of the hatch
                 ax.text((s + e) / 2, r, str(a.microbatch), ha="center", va="center", color="white",
-                        fontsize=7)
+                        fontsize=7, bbox=dict(boxstyle="square,pad=0.3", fc=_PIPELINE[a.op],
+                                              ec="none") if hatch else None)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=8)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, span or 1)

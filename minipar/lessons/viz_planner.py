@@ -30,7 +30,8 @@ TERM_COLOURS = dict(zip(planner.TERMS,
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:
     """Memory per GPU of each pipeline stage (`est.stages`), stacked in `memory.CATEGORIES` order,
     in GiB or, below 1 GiB, MiB (`memory_unit`), with each stage's capacity (what its GPUs' counted
-    tensors may fill, `predict.capacities`) as a black tick."""
+    tensors may fill, `predict.capacities`) as a black tick, or in the legend when it is over 20x
+    the fullest stage (a tick that high would squash the bars flat)."""
     unit, name = memory_unit(*(sum(stage.values()) for stage in est.stages))
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.5 * len(est.stages)), 3.6),
@@ -42,15 +43,22 @@ def memory_stages(est, ax=None, title: str | None = None) -> Figure:
         ax.bar(list(stages), gib, 0.7, bottom=bottom, color=COLOURS[i], label=cat)
         bottom = [b + g for b, g in zip(bottom, gib)]
     capacity = [c / unit for c in predict.capacities(est.cluster, est.par)]
-    ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black", lw=2,
-              label=f"usable ({est.cluster.usable:.0%} of memory)")
+    usable = f"usable ({est.cluster.usable:.0%} of memory)"
+    off = 0 < 20 * max(bottom) < max(capacity)  # a tick that far up would flatten the bars
+    if off:
+        top = f"{min(capacity):,.0f}..{max(capacity):,.0f}" if min(capacity) < max(capacity) \
+            else f"{max(capacity):,.0f}"
+        ax.plot([], [], ls="none", label=f"{usable}:\n{top} {name}, off the scale")
+    else:
+        ax.hlines(capacity, [r - 0.4 for r in stages], [r + 0.4 for r in stages], colors="black",
+                  lw=2, label=usable)
     if len(est.stages) <= 16:
         for r, total in zip(stages, bottom):
             ax.text(r, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(stages), [str(r) for r in stages], fontsize=7 if len(est.stages) > 16 else 9)
     pad = max(0.0, (3 - len(est.stages)) / 2)  # a bar or two do not fill the axes
     ax.set(xlabel="pipeline stage", ylabel=f"{name} per GPU",
-           ylim=(0, 1.15 * max(max(bottom), max(capacity))),
+           ylim=(0, 1.15 * max(max(bottom), 0 if off else max(capacity))),
            xlim=(-0.6 - pad, len(est.stages) - 0.4 + pad))
     ax.set_title(title or f"memory per GPU, {est.label}", fontsize=10, loc="left")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -100,6 +108,7 @@ def ratios(
     ax.axvline(1, color="black", lw=0.8)
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_xlim(1 - 1.6 * band, 1 + 1.6 * band)
+    ax.set_xlabel("ratio: minipar's prediction / published (1 = equal)")
     ax.invert_yaxis()
     ax.set_title(title, fontsize=10, loc="left")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -151,7 +160,8 @@ def matmul_fit(fits: dict, title: str = "matmuls on this CPU: predicted / measur
         ax.scatter(flops, [1 + e for e in fit.errors()], s=12, color=COLOURS[i], label=label)
     ax.axhline(1.0, color="black", lw=1)
     ax.set(xscale="log", yscale="log", xlabel="FLOPs of the matmul", ylabel="predicted / measured")
-    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.1f"))
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))  # 0.3, 0.5, 1, 2...
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_title(title, fontsize=10, loc="left")
     ax.legend(fontsize=8)

@@ -48,19 +48,19 @@ def splits(t: int = 2, heads: int = 4) -> Figure:
     sub = [f"$_{{{r}}}$" for r in range(t)]  # blocks numbered by the rank that holds them, from 0
     # the MLP: X (s x h), A (h x 4h), Y (s x 4h), B (4h x h), Z (s x h) summed
     _matrix(top, 0.0, 0.5, 1.0, 1.2, 1, "none", "X  (bs × h)\nwhole on every rank")
-    _op(top, 1.4, 1.1, "f →", 11)
-    _matrix(top, 1.8, 0.8, 2.4, 0.6, t, "cols", "A  (h × 4h)\nby columns", [f"A{s}" for s in sub])
-    _op(top, 4.7, 1.1, "→ GeLU →", 10)
+    _op(top, 1.35, 1.1, "f →", 11)
+    _matrix(top, 1.7, 0.8, 2.4, 0.6, t, "cols", "A  (h × 4h)\nby columns", [f"A{s}" for s in sub])
+    _op(top, 4.65, 1.1, "→ GeLU →", 9)
     _matrix(top, 5.2, 0.5, 2.4, 1.2, t, "cols", "Y = GeLU(X A)\nrank r: Y_r, no communication",
             [f"Y{s}" for s in sub])
     _op(top, 7.9, 1.1, "×")
     _matrix(top, 8.2, 0.0, 0.6, 2.4, t, "rows", "B  (4h × h)\nby rows", [f"B{s}" for s in sub])
-    _op(top, 9.2, 1.1, "→ g →", 11)
-    for r in range(t):  # the partial outputs, stacked like a sum
-        x, y = 9.7 + 0.25 * r, 0.5 + 0.2 * (t - 1 - r)
+    _op(top, 9.3, 1.1, "→ g →", 10)
+    for r in range(t):  # the partial outputs, stacked like a sum, each one's name clear of the next
+        x, y = 9.8 + 0.25 * r, 0.5 + 0.3 * (t - 1 - r)
         top.add_patch(plt.Rectangle((x, y), 1.0, 1.0, fc=RANK_COLOURS[r], alpha=0.9, ec="black"))
-        top.text(x + 0.12, y + 0.85, f"Z{sub[r]}", fontsize=9, weight="bold", va="center")
-    top.text(10.3, 0.38, "Z = Σ Z_r\nall-reduced", ha="center", va="top", fontsize=8)
+        top.text(x + 0.1, y + 0.86, f"Z{sub[r]}", fontsize=8, weight="bold", va="center")
+    top.text(10.4, 0.38, "Z = Σ Z_r\nall-reduced", ha="center", va="top", fontsize=8)
     top.set_title("MLP:  Z = GeLU(X A) B", fontsize=10, loc="left")
     # attention: W_q, W_k, W_v (h x h) by heads, the heads, W_o (h x h) by rows
     _matrix(bottom, 0.0, 0.5, 1.0, 1.2, 1, "none", "X  (bs × h)")
@@ -74,20 +74,20 @@ def splits(t: int = 2, heads: int = 4) -> Figure:
         r = k // per
         bottom.add_patch(plt.Rectangle((5.7 + 0.45 * k, 0.75), 0.38, 0.7, fc=RANK_COLOURS[r],
                                        alpha=0.75, ec="black"))
-        bottom.text(5.89 + 0.45 * k, 1.1, f"head\n{k}", ha="center", va="center", fontsize=7)
-    bottom.text(5.7 + 0.45 * heads / 2, 0.62, "softmax(q kᵀ/√d) v\nper head: rank r's,\nno "
-                                              "communication",
+        bottom.text(5.89 + 0.45 * k, 1.1, f"h{k}", ha="center", va="center", fontsize=8)
+    bottom.text(5.7 + 0.45 * heads / 2, 0.62,
+                f"softmax(q kᵀ/√d) v\nper head h0..h{heads - 1}:\nrank r's, no communication",
                 ha="center", va="top", fontsize=8)
     x_o = 6.1 + 0.45 * heads
     _matrix(bottom, x_o, 0.5, 1.2, 1.2, t, "rows", "W_o  (h × h)\nby rows", [f"O{s}" for s in sub])
-    _op(bottom, x_o + 1.6, 1.1, "→ g → Σ", 11)
+    _op(bottom, x_o + 1.75, 1.1, "→ g → Σ", 10)
     bottom.set_title(f"attention: {heads} heads, {per} per rank", fontsize=10, loc="left")
     handles = [plt.Rectangle((0, 0), 1, 1, fc=RANK_COLOURS[r], alpha=0.75) for r in range(t)]
     handles.append(plt.Rectangle((0, 0), 1, 1, fc=WHOLE))
     top.legend(handles, [f"rank {r}" for r in range(t)] + ["whole (replicated)"], fontsize=8,
                ncols=t + 1, loc="lower right", bbox_to_anchor=(1.0, 1.0))
     for ax in (top, bottom):
-        ax.set_xlim(-0.2, 11.3)
+        ax.set_xlim(-0.2, max(11.3, 10.95 + 0.25 * t))  # the stack of Z_r inside
         ax.set_ylim(-0.6, 2.45)
         ax.set_aspect("equal")
         ax.axis("off")
@@ -150,7 +150,10 @@ def activation_bars(runs: dict[str, tuple[dict, int]],
                 va="bottom", fontsize=8)
     ax.set_xticks(range(len(runs)), list(runs), fontsize=8)
     ax.set(ylabel="KiB per rank", title=title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    handles, labels = ax.get_legend_handles_labels()
+    handles.append(plt.Line2D([], [], ls="none"))  # no mark: explains the numbers above the pairs
+    ax.legend(handles, [*labels, "×r above a pair:\nmeasured / predicted"], fontsize="small",
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return fig
 

@@ -73,7 +73,7 @@ def _bucket_draw(numels, arrivals, n, element_bytes, bucket_mb: float, bandwidth
     rows = bucket_timeline(numels, arrivals, bucket_mb, latency * 1e-6, bandwidth * GB, n,
                            element_bytes)
     end, exposed = rows[-1]["ready"], sum(r["exposed"] for r in rows)
-    fig, ax = plt.subplots(figsize=(8, 2.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(8, 3.1), layout="constrained")
     ms = 1e3
     for k, r in enumerate(rows):  # backward, cut where each bucket is complete
         before = rows[k - 1]["ready"] if k else 0.0
@@ -86,6 +86,13 @@ def _bucket_draw(numels, arrivals, n, element_bytes, bucket_mb: float, bandwidth
                 color="tab:red", ec="white", lw=0.5)
     ax.axvline(end * ms, color="black", lw=0.8, ls="--")
     ax.set_yticks([0, 1], ["all-reduce\n(comm thread)", "backward\n(a bucket each)"])
+    patch = lambda c: plt.Rectangle((0, 0), 1, 1, color=c)  # noqa: E731
+    ax.legend([patch("tab:orange"), patch("moccasin"), patch("tab:green"), patch("tab:red"),
+               plt.Line2D([], [], color="black", lw=0.8, ls="--")],
+              ["backward: a bucket's gradients", "(shades alternate by bucket)",
+               "all-reduce hidden under backward", "all-reduce exposed (after backward)",
+               "backward ends"],
+              fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     ax.set(xlabel="time from backward's start (ms)", ylim=(-0.6, 1.6),
            title=f"{len(rows)} buckets of at most {bucket_mb:.3g} MiB: exposed "
                  f"{exposed * ms:.2f} ms after backward ({end * ms:.1f} ms)")
@@ -182,7 +189,7 @@ def _zero_draw(psi: float, n_d: int, stage: int, precision: str) -> list:
     for s in range(4):
         states, bottom = zero_memory(psi, n_d, s, precision), 0.0
         for (cat, v), colour in zip(states.items(), colours):
-            ax.bar(s, v / GB, 0.6, bottom=bottom, color=colour, label=cat if s == 0 else None,
+            ax.bar(s, v / GB, 0.6, bottom=bottom, color=colour,
                    alpha=1.0 if s == stage else 0.35, ec="black" if s == stage else "none")
             bottom += v / GB
         ax.text(s, bottom, f"{bottom:,.3g} GB", ha="center", va="bottom", fontsize=8)
@@ -191,8 +198,10 @@ def _zero_draw(psi: float, n_d: int, stage: int, precision: str) -> list:
         ax.text(3.45, gb, gpu, fontsize=7, va="bottom", ha="right", color="dimgrey")
     ax.set_xticks(range(4), names)
     ax.set(ylabel="model states per device (GB, 1e9 bytes)",
-           title=f"Ψ = {psi:.3g} parameters, N_d = {n_d}, {precision}")
-    ax.legend(fontsize="small", loc="upper right")
+           title=f"Ψ = {psi:.3g} parameters, N_d = {n_d}, {precision}\n"
+                 f"(chosen stage solid, others faded)")
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colours[:len(states)]], list(states),
+              fontsize="small", loc="upper right")
     ax.grid(axis="y", alpha=0.3)
     got, per = zero_memory(psi, n_d, stage, precision), memory.layout_bytes(*PRECISIONS[precision])
     return [png(fig), text(f"stage {stage}, {' + '.join(map(str, per.values()))} bytes a "
@@ -234,18 +243,21 @@ def tp_layer(t: int = 8, h: int = 12288, s: int = 2048, b: int = 1, bandwidth: f
 def _tp_draw(t: int, h: int, s: int, b: int, bandwidth: float, e: int) -> list:
     degrees = list(range(2, 17))
     fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
+    same = [k for k, gbs in LINKS.items() if np.isclose(gbs, bandwidth, rtol=0.01)]
     for (link, gbs), style in zip(LINKS.items(), (":", "-.", "--")):
-        ax.plot(degrees, [tp_layer(d, h, s, b, gbs, e)["ratio"] for d in degrees], style,
-                color="grey", label=f"{link}, {gbs:g} GB/s")
+        if link not in same:  # a preset the chosen link is not: it would hide under the blue line
+            ax.plot(degrees, [tp_layer(d, h, s, b, gbs, e)["ratio"] for d in degrees], style,
+                    color="grey", label=f"{link}, {gbs:g} GB/s")
     ax.plot(degrees, [tp_layer(d, h, s, b, bandwidth, e)["ratio"] for d in degrees], "-",
-            lw=2, label=f"this link, {bandwidth:.3g} GB/s")
+            lw=2, label=f"this link{' (' + same[0] + ')' if same else ''}, {bandwidth:.3g} GB/s")
     got = tp_layer(t, h, s, b, bandwidth, e)
     if t > 1:
         ax.plot([t], [got["ratio"]], "o", color="crimson", ms=8, label=f"t = {t}")
     ax.axhline(1, color="black", lw=0.8)
     ax.axvline(8, color="green", lw=0.8, ls="--")
-    ax.text(8.1, ax.get_ylim()[0], " 8 GPUs: one NVLink node", fontsize=7, va="bottom")
     ax.set_yscale("log")
+    ax.text(8.1, 0.02, " 8 GPUs: one NVLink node", fontsize=7, va="bottom",
+            transform=ax.get_xaxis_transform())  # x in data, y in axes coordinates
     ax.set(xlabel="tensor-parallel degree t", ylabel="communication time / compute time",
            title=f"one layer: h {h}, s {s}, b {b}, {e} bytes an element")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
