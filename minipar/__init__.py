@@ -7,7 +7,7 @@ from scratch on torch.distributed.
 """
 from minipar import comm, pipeline, tensor_parallel
 from minipar.config import ParallelConfig
-from minipar.launch import WorkerError, WorkerTimeout, heartbeat, launch
+from minipar.launch import WorkerError, WorkerTimeout, heartbeat, launch, prestart
 from minipar.lessons import demos
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
@@ -18,4 +18,4 @@ from minipar.train import NonFiniteLoss, TrainResult, train
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel",
            "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "NonFiniteLoss",
            "ParallelConfig", "TrainResult", "WorkerError", "WorkerTimeout", "estimate", "explain",
-           "format_table", "heartbeat", "launch", "plan", "train"]
+           "format_table", "heartbeat", "launch", "plan", "prestart", "train"]

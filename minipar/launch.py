@@ -137,6 +137,16 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
             conn.close()
 
 
+def prestart() -> None:
+    """Start the worker server (`_forkserver`) in a background thread and return at once: its
+    imports, a few seconds of one core, then overlap what the caller does meanwhile (a lesson's
+    planning), and the first `launch` forks without waiting for them. Idempotent."""
+    if torchrun_rank() is None:
+        import multiprocessing.forkserver
+        threading.Thread(target=lambda: (_forkserver(), mp.forkserver.ensure_running()),
+                         name="minipar-prestart", daemon=True).start()
+
+
 def _forkserver():
     """multiprocessing's forkserver context (it keeps the one server a process has), told to preload
     what a worker imports: every launch after the first forks from a server that has imported it.

@@ -283,3 +283,18 @@ def test_the_first_optimizer_imports_nothing_the_forkserver_lacks():
     the forkserver preloaded it."""
     for new in minipar.launch(w.first_optimizer_imports, 2, timeout=60):
         assert not [m for m in new if m.startswith(("torch._dynamo", "sympy"))], new[:10]
+
+
+def test_prestart_starts_the_worker_server_in_the_background():
+    """A fresh process: prestart returns at once (twice: idempotent) and the server is up seconds
+    later without any launch (a broken prestart would leave none: its thread's exceptions do not
+    reach the caller)."""
+    code = ("import time, multiprocessing.forkserver as f, minipar\n"
+            "t = time.perf_counter(); minipar.prestart(); minipar.prestart()\n"
+            "returned = time.perf_counter() - t\n"
+            "while f._forkserver._forkserver_pid is None and time.perf_counter() - t < 60:\n"
+            "    time.sleep(0.05)\n"
+            "print(returned, f._forkserver._forkserver_pid is not None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    returned, up = out.stdout.split()
+    assert float(returned) < 0.5 and up == "True", out.stderr
