@@ -38,6 +38,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -142,7 +143,6 @@ def prestart() -> None:
     imports, a few seconds of one core, then overlap what the caller does meanwhile (a lesson's
     planning), and the first `launch` forks without waiting for them. Idempotent."""
     if torchrun_rank() is None:
-        import multiprocessing.forkserver
         threading.Thread(target=lambda: (_forkserver(), mp.forkserver.ensure_running()),
                          name="minipar-prestart", daemon=True).start()
 

@@ -26,6 +26,8 @@ its DP rank (`rank`) decides its ZeRO shards.
 """
 from __future__ import annotations
 
+import functools
+
 from minipar import autograd_events, memory
 from minipar.comm import receive_numel
 from minipar.data_parallel import split
@@ -200,7 +202,15 @@ def _in_shard(sizes: list[int], n: int, rank: int) -> int:
 
 
 def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: int = 0) -> dict:
-    """ZeRO-1/2's peak, by walking backward node by node (`autograd_events`) through
+    """ZeRO-1/2's peak: `tally` with its activations, comm and grads at the walk's fullest moment
+    (`_buckets_walk`; the other states do not change during a step, so they do not move it)."""
+    b = par.dp_rows(global_batch)[rank] // par.microbatches
+    return {**tally, **_buckets_walk(cfg, par, b, pp_rank)}
+
+
+@functools.lru_cache(maxsize=4096)   # a plan walks each layout once; the next plan, on another
+def _buckets_walk(cfg, par, b: int, pp_rank: int) -> dict:   # cluster, the same layouts again
+    """ZeRO-1/2's fullest moment, by walking backward node by node (`autograd_events`) through
     data_parallel.GradBuckets' rules. Stage 1 keeps its full buffers; stage 2 makes one at its
     first gradient (after retiring every bucket in flight but the newest) and frees it when
     retired (or refilled: the next micro-batch's), its shard, reduced in place, copied out first
@@ -219,16 +229,15 @@ def _buckets_peak(cfg, par, global_batch: int, rank: int, tally: dict, pp_rank: 
     full = _buffers(cfg, par, g, pp_rank)
     ring = n > 1 and par.collectives == "minipar"
     scratch = ring * g * receive_numel(max(f for f, _ in full) // g, n)
-    b, m = par.dp_rows(global_batch)[rank] // par.microbatches, par.microbatches
+    m = par.microbatches
     live = {"full": set(), "shards": set(), "launched": [], "act": 0, "scratch": 0, "grads": 0}
     arrived, best, nxt, rounds = [0] * len(groups), {}, [0], [0]
-    states = sum(v for k, v in tally.items() if k not in ("activations", "comm", "grads"))
 
     def check(phase):  # (totals kept as they change: a plan walks thousands of these)
-        total = states + live["act"] + live["scratch"] + live["grads"]
+        total = live["act"] + live["scratch"] + live["grads"]
         if total > best.get("total", -1):
-            best.update(tally, activations=live["act"], comm=live["scratch"],
-                        grads=live["grads"], phase=phase, total=total)
+            best.update(activations=live["act"], comm=live["scratch"], grads=live["grads"],
+                        phase=phase, total=total)
 
     def hold(k):  # a full buffer made
         live["full"].add(k)
