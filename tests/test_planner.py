@@ -544,3 +544,20 @@ def test_no_plan_runs_faster_than_its_hardware(preset, cfg):
             link = cluster.link([rank_at(e.par.dp, e.par.tp, j, 0, 0) for j in range(e.par.dp)])
             sent = sum(traffic.dp(cfg, e.par).values())
             assert e.step_time >= sent / link.bandwidth * (1 - 1e-9), e.label
+
+
+def test_the_search_skips_no_transient_of_a_layout_that_fits():
+    """plan walks a step's transients only where the counted tensors fit (exact=False): what it
+    returns is what `estimate` gives each layout, peak included, and a layout it skipped overflows
+    on its count alone."""
+    from minipar.planner.predict import split_layout
+    cfg, cluster = GPTConfig(n_layer=8, n_head=16, d_model=2048, vocab_size=32000, seq_len=2048), \
+        dataclasses.replace(Cluster.preset(A100), memory_per_gpu=12 * GiB)
+    ranked = plan(cfg, cluster, 16, micro_batches=(1, 2))
+    for e in ranked[:8]:
+        full = estimate(cfg, e.par, cluster, 16, e.micro_batch)
+        assert e.peak is not None and (e.peak, e.memory, e.step_time) == (full.peak, full.memory, full.step_time)
+    par = ParallelConfig(dp=8, zero=0, precision="bf16")   # whole model states on every GPU: overflows
+    skipped = split_layout(cfg, par, cluster, 16, 2, exact=False)
+    assert skipped.peak is None and not skipped.fits and sum(skipped.memory.values()) > skipped.capacity
+    assert split_layout(cfg, par, cluster, 16, 2).peak is not None

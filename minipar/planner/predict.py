@@ -190,10 +190,12 @@ def _rank_states(cfg, par, per: tuple, r: int, held: tuple) -> dict:
     return memory.rank_states(par, units, dict(per), 0, params, gathered)
 
 
-def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
-                 attention: str = "flash", overlap: str = "minipar") -> Estimate:
+def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attention: str = "flash",
+                 overlap: str = "minipar", exact: bool = True) -> Estimate:
     """Validate, split layers and micro-batches, and size the memory: an Estimate with everything
-    but the time (`time_layout` adds it; `refine` then searches a mixed cluster's splits)."""
+    but the time (`time_layout` adds it; `refine` then searches a mixed cluster's splits). exact=
+    False (`plan`'s search) skips the walk of the step's transients where the counted tensors
+    overflow already (no fit either way): most layouts of a big search."""
     if attention not in ("flash", "materialized"):
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
     if overlap not in OVERLAPS:
@@ -210,7 +212,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int,
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
     size = functools.lru_cache(None)(  # the moves below cycle when no split fits: size each once
         lambda layers: sized(cfg, par, cluster, global_batch, micro_batch, list(layers), shares,
-                             attention, overlap))
+                             attention, overlap, exact))
     est = size(tuple(layers))
     for _ in range(cfg.n_layer if cluster.groups else 0):  # mixed: layers out of full stages
         free = [c - sum(m.values()) for c, m in zip(capacities(cluster, par), est.stages)]
@@ -240,7 +242,7 @@ def capacities(cluster, par) -> tuple[float, ...]:
 
 
 def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
-          attention: str = "flash", overlap: str = "minipar") -> Estimate:
+          attention: str = "flash", overlap: str = "minipar", exact: bool = True) -> Estimate:
     """The Estimate, untimed, of `par` (validated: `split_layout`'s) with these layers per chunk and
     micro-batches per replica: memory sized on every stage, the fullest at its peak (relative to
     its capacity) as `memory`. `time_layout` times any split, e.g. lesson 07's uniform one."""
@@ -249,7 +251,8 @@ def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares
               pipeline.cached_schedule(par.schedule, par.pp, max(shares), par.virtual_stages))
     mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing), \
         capacities(cluster, par)
-    peaks = _step_peaks(cfg, par, cluster, micro_batch, attention, layers, mem)
+    peaks = _step_peaks(cfg, par, cluster, micro_batch, attention, layers, mem) if exact or all(
+        sum(m.values()) <= c for m, c in zip(mem, capacity)) else None   # else no fit anyway
     fullest = max(range(par.pp), key=lambda r: _most(mem[r], peaks and peaks[r]) / capacity[r])
     return Estimate(cfg, par, cluster, global_batch, micro_batch, mem[fullest], capacity[fullest],
                     tuple(layers), tuple(shares), mem,

@@ -94,7 +94,7 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
         for rc in recompute:
             try:
                 est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b,
-                                   attention, overlap)
+                                   attention, overlap, exact=False)
             except ValueError:
                 break
             if est.fits:
@@ -105,7 +105,9 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
                 or est.peak_memory / est.capacity < smallest.peak_memory / smallest.capacity
             ):
                 smallest = est
-    if not fitting:
+    if not fitting:   # the smallest with its step's transients (the search skipped them)
+        smallest = smallest and split_layout(cfg, smallest.par, cluster, global_batch,
+                                             smallest.micro_batch, attention, overlap)
         raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero,
                                      recompute, precision))
     ranked = rank(fitting)
