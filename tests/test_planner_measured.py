@@ -227,3 +227,19 @@ def test_cpu_cluster_estimates_need_the_calibrated_world():
         estimate(TINY, P(), dataclasses.replace(cluster, gpus_per_node=4, cpu=dataclasses.replace(CPU, world=4)), 4)
     assert CPU.sharing == 1 and dataclasses.replace(CPU, world=4, share=0.5).sharing == 1  # 4 ranks on 2 cores
     assert dataclasses.replace(CPU, share=0.8).sharing == 0.8
+
+
+def test_a_stale_calibration_is_measured_again(tmp_path, monkeypatch):
+    """this_machine reads its cached calibration while it is younger than max_age; an older one
+    (an hour by default: what else runs here changes) is measured again and written back."""
+    monkeypatch.setattr(calibrate.tempfile, "gettempdir", lambda: str(tmp_path))
+    fresh = calibrate.CPU(cores=2, matmul=1e11, copy_rate=1e10, links=((2, 1e-4, 1e-4, 1e9),),
+                          share=1.0, world=2, threads=1, measured_at=0.0)
+    measured = []
+    monkeypatch.setattr(calibrate, "measure", lambda world: measured.append(world) or
+                        dataclasses.replace(fresh, measured_at=calibrate.time.time()))
+    calibrate._write(dataclasses.replace(fresh, measured_at=calibrate.time.time() - 7200))
+    calibrate.this_machine(world=2)                  # two hours old: measured again
+    calibrate.this_machine(world=2)                  # just written: read
+    calibrate.this_machine(world=2, max_age=0.0)     # any age is too old
+    assert measured == [2, 2]

@@ -58,14 +58,10 @@ def explorer(model: str = "llama3-8b", cluster: str = "dgx-a100-80g", nodes: int
     return Explorer(model, cluster, nodes, global_batch, precision, search)
 
 
-def _knob(name: str, control: w.Widget) -> w.Widget:
-    return control.add_class(f"minipar-knob-{name}")
-
-
 def _knob_controls(precision: str) -> dict:
     """One control per ParallelConfig knob (and the micro-batch), in KNOBS order."""
     small = dict(layout=w.Layout(width="200px"), style=dict(description_width="initial"))
-    return {name: _knob(name, c) for name, c in {
+    return {name: c.add_class(f"minipar-knob-{name}") for name, c in {
         "dp": w.BoundedIntText(min=1, max=4096, description="dp", **small),
         "tp": w.BoundedIntText(min=1, max=64, description="tp", **small),
         "pp": w.BoundedIntText(min=1, max=512, description="pp", **small),
@@ -135,6 +131,7 @@ class Explorer:
                                       description="steps").add_class("minipar-progress")
         self.measured = w.Output().add_class("minipar-measured")
         self.estimates, self.current, self.pinned, self._swept = [], None, None, (None, None, [])
+        self.placement = None   # a mixed cluster's part order, from the plan entry loaded last
         self.error, self.plan_error = None, None
         self.result, self.run_error, self._thread, self._quiet = None, None, None, False
         self._fill_shape(SIZES[model])
@@ -225,8 +222,9 @@ class Explorer:
     def load(self, k: int) -> None:
         """Put plan #k's layout into the knobs (nothing to load when no plan fits)."""
         self._set(pick=k)
-        if self.estimates:
-            e = self.estimates[k - 1]
+        e = self.estimates[k - 1] if self.estimates else None
+        self.placement = e.cluster if e and e.cluster.groups else None   # (plan.placements)
+        if e:
             self._set(**{f: getattr(e.par, f) for f in KNOBS if f != "micro_batch"},
                       micro_batch=e.micro_batch)
         self.update()
@@ -245,8 +243,8 @@ class Explorer:
         self.current, self.error = None, None
         try:
             par, b = self.layout()
-            self.current = estimate(self.config(), par, self.cluster(par.world), self.batch.value,
-                                    b)
+            on = self.placement or self.cluster(par.world)   # the loaded plan entry's part order
+            self.current = estimate(self.config(), par, on, self.batch.value, b)
         except ValueError as e:
             self.error = f"ValueError: {e}"
 
@@ -255,8 +253,9 @@ class Explorer:
         if knob == "none" or self.current is None:
             return []
         if self._swept[0] is not self.current or self._swept[1] != knob:
-            self._swept = (self.current, knob, sweep(self.config(), self.current.par, self.cluster(
-                self.current.par.world), self.batch.value, self.current.micro_batch, knob))
+            cur, on = self.current, self.placement or self.cluster(self.current.par.world)
+            self._swept = (cur, knob, sweep(self.config(), cur.par, on, self.batch.value,
+                                            cur.micro_batch, knob))
         return self._swept[2]
 
     def pin(self) -> None:

@@ -247,13 +247,15 @@ def _write(cpu: CPU) -> None:
         json.dump(dataclasses.asdict(cpu), f)
 
 
-def this_machine(world: int = 1, refresh: bool = False) -> Cluster:
+def this_machine(world: int = 1, refresh: bool = False, max_age: float = 3600.0) -> Cluster:
     """This machine's CPU cores as a Cluster of `world` local ranks: the calibration cached in the
-    JSON file (`_cache_path`), or, if there is none or `refresh`, measured and written there."""
+    JSON file (`_cache_path`), or, if there is none, it is older than `max_age` seconds (what else
+    runs here changes: an hour-old share of the cores predicts today's steps badly) or `refresh`,
+    measured and written there."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     cpu = None if refresh else _read(world)
-    if cpu is None:
+    if cpu is None or time.time() - cpu.measured_at > max_age:
         cpu = measure(world)
         _write(cpu)
     return cluster_of(cpu)

@@ -122,10 +122,10 @@ class Estimate:
     @property
     def label(self) -> str:
         p = self.par
-        sched = f" {p.schedule}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1
-                                    else "") if p.pp > 1 else ""
+        sched = (f" {p.schedule}" + f" v{p.virtual_stages}" * (p.virtual_stages > 1)) * (p.pp > 1)
+        on = f" on {self.cluster.name}" if self.cluster.groups and p.pp > 1 else ""  # stage order
         return (f"dp{p.dp} tp{p.tp} pp{p.pp}{sched} b{self.micro_batch} zero{p.zero}"
-                f"{' sp' if p.sequence_parallel else ''} rc={p.recompute}")
+                f"{' sp' if p.sequence_parallel else ''} rc={p.recompute}{on}")
 
     def __repr__(self):
         flops, fname = flops_unit(self.flops_per_gpu)

@@ -3,10 +3,12 @@ the winner wins (`explain`), and what would fit when nothing does (`NoFeasiblePl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from minipar.config import SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
-from minipar.planner.predict import TERMS, Estimate, estimate, refine, split_layout, time_layout
+from minipar.planner.predict import (TERMS, Estimate, _share_unit, estimate, refine, sized,
+                                     split_layout, time_layout)
 
 
 class NoFeasiblePlan(ValueError):
@@ -33,6 +35,16 @@ def rank(estimates: list[Estimate]) -> list[Estimate]:
         by_time = by_time[len(tied):]
         ranked += sorted(tied, key=lambda e: (round(e.peak_memory / NEGLIGIBLE_MEMORY), simple(e)))
     return ranked
+
+
+def placements(cluster: Cluster) -> list[Cluster]:
+    """The orders of a mixed cluster's parts that `plan` tries: ranks are numbered part after part
+    and pipeline stages are the grid's outermost axis (mesh.py), so the order says which kind runs
+    which stages (the first stage holds the most micro-batches' activations under 1F1B, the last
+    the head). Every distinct order: k! for k parts (6 for three kinds); the cluster itself if
+    homogeneous. Without a pipeline the order only renumbers DP replicas (plan tries it once)."""
+    orders = dict.fromkeys(itertools.permutations(cluster.groups or (cluster,)))
+    return [Cluster.mixed(order) for order in orders] if cluster.groups else [cluster]
 
 
 def _divisors(n: int) -> list[int]:
@@ -89,11 +101,13 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
         raise ValueError(f"global_batch must be a positive integer (sequences a step), got "
                          f"{global_batch!r}")
     fitting, smallest = [], None
-    for par, b in candidates(cfg, cluster, global_batch, micro_batches, schedules, virtual_stages,
-                             zero, precision):
+    for placed, par, b in ((c, par, b) for i, c in enumerate(placements(cluster))
+                           for par, b in candidates(cfg, c, global_batch, micro_batches, schedules,
+                                                    virtual_stages, zero, precision)
+                           if i == 0 or par.pp > 1):
         for rc in recompute:
             try:
-                est = split_layout(cfg, par.replace(recompute=rc), cluster, global_batch, b,
+                est = split_layout(cfg, par.replace(recompute=rc), placed, global_batch, b,
                                    attention, overlap, exact=False)
             except ValueError:
                 break
@@ -106,7 +120,7 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
             ):
                 smallest = est
     if not fitting:   # the smallest with its step's transients (the search skipped them)
-        smallest = smallest and split_layout(cfg, smallest.par, cluster, global_batch,
+        smallest = smallest and split_layout(cfg, smallest.par, smallest.cluster, global_batch,
                                              smallest.micro_batch, attention, overlap)
         raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero,
                                      recompute, precision))
@@ -165,7 +179,7 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
         return "no estimates"
     best = estimates[0]
     tiny = NEGLIGIBLE_TIME * best.step_time
-    lines = [f"#1 {best.label}: {best.step_time:.4g} s ({best.mfu:.1%} MFU)"]
+    lines = [f"#1 {best.label}: {best.step_time:.4g} s ({best.mfu:.1%} MFU)"] + _blind(best)
     for i, e in enumerate(estimates[1:top], 2):
         if e.step_time - best.step_time <= tiny:
             lines.append(f"#{i} {e.label}: as fast, {_memory_against(e, best)}")
@@ -178,6 +192,23 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
             line += f", though it saves {-diff[gain]:.3g} s of {gain}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _blind(best: Estimate) -> list[str]:
+    """On a mixed cluster, the winner against its vendor-blind self: the same layout and order
+    with the layers and the micro-batches split evenly, as if every GPU were alike."""
+    if not best.cluster.groups:
+        return []
+    even = lambda n, k, unit=1: [unit * (n // unit // k + (i < n // unit % k)) for i in range(k)]
+    blind = sized(best.cfg, best.par, best.cluster, best.global_batch, best.micro_batch,
+                  even(best.cfg.n_layer, len(best.layers)),
+                  even(sum(best.shares), len(best.shares), _share_unit(best.par)),
+                  best.attention, best.overlap)
+    verdict = (f"{time_layout(best.cfg, blind).step_time:.4g} s, "
+               f"{blind.step_time / best.step_time - 1:+.1%}") if blind.fits else \
+        f"does not fit ({blind.peak_memory / GiB:.1f} GiB of {blind.capacity / GiB:.1f})"
+    return [f"   placed: stages in the order {best.cluster.name}, layers {list(best.layers)}, "
+            f"micro-batches {list(best.shares)}; split evenly (vendor-blind): {verdict}"]
 
 
 def _memory_against(e: Estimate, best: Estimate) -> str:
