@@ -272,8 +272,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                                     "time",
                        formatter_class=Help)
     model_arguments(p, "llama3-8b")
-    p.add_argument("--cluster", default="dgx-h100", help="dgx-a100-80g, dgx-h100 or h200")
-    p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
+    p.add_argument("--cluster", default="dgx-h100", help=f"one of {', '.join(Cluster.PRESETS)}")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="islands of the preset (an 8-GPU board, a whole TPU slice...)")
     p.add_argument("--overlap", default="minipar", choices=sorted(WHOSE),
                    help="whose overlaps and pipeline messages to time: minipar's code, "
                         "Megatron-LM's (production) or DeepSpeed's (Megatron-DeepSpeed's)")

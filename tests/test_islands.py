@@ -118,4 +118,4 @@ def test_the_plan_is_the_best_of_every_order_and_layout_by_brute_force():
     assert len({e.cluster.name for e in every if e.par.pp > 1}) == 6
     if best.par.pp > 1:
         assert best.label.endswith(f"on {best.cluster.name}")
-    assert "split evenly (vendor-blind)" in explain([best])
+    assert "as if all chips were alike" in explain([best])

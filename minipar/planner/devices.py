@@ -83,7 +83,7 @@ CATALOGUE = {
                       200 * GB, 256, 25e9 / 8, "XLA (ICI)", units=4, ring=2 / 4),
     "tpu-v5p": Device("TPU v5p", "Google", 459e12, 95 * GiB, 2.765e12, "ICI, 3D torus",
                       600 * GB, 6144, 50e9 / 8, "XLA (ICI)", units=8, ring=2 / 6),
-    "tpu-v6e": Device("TPU v6e (Trillium)", "Google", 918e12, 32 * GiB, 1.64e12, "ICI, 2D torus",
+    "tpu-v6e": Device("TPU v6e (Trillium)", "Google", 918e12, 32 * GiB, 1.6e12, "ICI, 2D torus",
                       400 * GB, 256, 100e9 / 8, "XLA (ICI)", units=8, ring=2 / 4),
     "trn2": Device("Trainium2", "AWS", 667e12, 96 * GiB, 2.9e12, "NeuronLink-v3, 2D torus",
                    640 * GB, 16, 200e9 / 8, "Neuron CC", units=8, ring=2 / 4),

@@ -195,8 +195,8 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
 
 
 def _blind(best: Estimate) -> list[str]:
-    """On a mixed cluster, the winner against its vendor-blind self: the same layout and order
-    with the layers and the micro-batches split evenly, as if every GPU were alike."""
+    """On a mixed cluster, the winner against itself split as if every chip were alike: the same
+    layout and order, the layers and the micro-batches split evenly."""
     if not best.cluster.groups:
         return []
     even = lambda n, k, unit=1: [unit * (n // unit // k + (i < n // unit % k)) for i in range(k)]
@@ -205,10 +205,13 @@ def _blind(best: Estimate) -> list[str]:
                   even(sum(best.shares), len(best.shares), _share_unit(best.par)),
                   best.attention, best.overlap)
     verdict = (f"{time_layout(best.cfg, blind).step_time:.4g} s, "
-               f"{blind.step_time / best.step_time - 1:+.1%}") if blind.fits else \
+               f"{blind.step_time / best.step_time - 1:.1%} slower") if blind.fits else \
         f"does not fit ({blind.peak_memory / GiB:.1f} GiB of {blind.capacity / GiB:.1f})"
-    return [f"   placed: stages in the order {best.cluster.name}, layers {list(best.layers)}, "
-            f"micro-batches {list(best.shares)}; split evenly (vendor-blind): {verdict}"]
+    p = best.par.pp
+    where = (f"stages in the order {best.cluster.name}, layers per chunk {list(best.layers)} "
+             f"(chunk k on stage k % {p}), " if p > 1 else "") + \
+        f"micro-batches per replica {list(best.shares)}"
+    return [f"   split by speed: {where}; split evenly, as if all chips were alike: {verdict}"]
 
 
 def _memory_against(e: Estimate, best: Estimate) -> str:
