@@ -4,18 +4,49 @@ from scratch on torch.distributed.
     import minipar
     cfg = minipar.GPTConfig.preset("tiny")
     res = minipar.train(cfg, minipar.ParallelConfig(), steps=20, global_batch=8, data="shakespeare")
-"""
-from minipar import comm, pipeline, tensor_parallel
-from minipar.config import ParallelConfig
-from minipar.launch import WorkerError, WorkerTimeout, heartbeat, launch, prestart
-from minipar.lessons import demos
-from minipar.mesh import Mesh
-from minipar.model import GPT, GPTConfig
-from minipar.planner import Estimate, NoFeasiblePlan, estimate, explain, format_table, plan
-from minipar.planner.cluster import Cluster
-from minipar.train import NonFiniteLoss, TrainResult, train
 
-__all__ = ["comm", "demos", "pipeline", "tensor_parallel",
-           "Cluster", "Estimate", "GPT", "GPTConfig", "Mesh", "NoFeasiblePlan", "NonFiniteLoss",
-           "ParallelConfig", "TrainResult", "WorkerError", "WorkerTimeout", "estimate", "explain",
-           "format_table", "heartbeat", "launch", "plan", "prestart", "train"]
+The names below are imported when first used (PEP 562), so `import minipar; minipar.prestart()`
+starts the worker server before this process has imported torch.
+"""
+import importlib
+import sys
+import types
+
+from minipar.server import prestart
+
+_HOME = {"ParallelConfig": "config", "WorkerError": "launch", "WorkerTimeout": "launch",
+         "heartbeat": "launch", "launch": "launch", "Mesh": "mesh", "GPT": "model",
+         "GPTConfig": "model", "Estimate": "planner", "NoFeasiblePlan": "planner",
+         "estimate": "planner", "explain": "planner", "format_table": "planner", "plan": "planner",
+         "Cluster": "planner.cluster", "NonFiniteLoss": "train", "TrainResult": "train",
+         "train": "train"}
+__all__ = ["comm", "demos", "pipeline", "tensor_parallel", *_HOME, "prestart"]
+
+
+def __getattr__(name: str):
+    """A name of _HOME from its module; `demos` (lessons.demos) or any submodule, imported."""
+    if name in _HOME:
+        return getattr(importlib.import_module(f"minipar.{_HOME[name]}"), name)
+    module = f"minipar.{'lessons.demos' if name == 'demos' else name}"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise  # the submodule exists and failed to import something
+        raise AttributeError(f"module 'minipar' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets it on its package: `minipar.train` and `minipar.launch` stay the
+    functions of those names."""
+
+    def __setattr__(self, name, value):
+        if not (name in _HOME and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

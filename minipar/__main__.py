@@ -23,7 +23,8 @@ from minipar import checkpoint, hardware, preflight
 from minipar import data as dataset
 from minipar.config import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.data import TOKENIZERS
-from minipar.launch import WorkerError, WorkerTimeout, torchrun_rank
+from minipar.launch import WorkerError, WorkerTimeout
+from minipar.server import torchrun_rank
 from minipar.lessons.viz import loss_curve
 from minipar.model import GPT, GPTConfig, sample
 from minipar.planner import NoFeasiblePlan, explain, format_table, plan

@@ -46,20 +46,27 @@ def _sources(model, mp):
 
 def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | None:
     """Every rank calls it; rank 0 (of the world) gets the whole checkpoint, the others None."""
-    weights, moments = {}, {}
+    pieces, steps = [], {}  # (name, key, this rank's tensor, its parameter); moments' step counts
     # flat shards
     zero = _zero_full_state(optimizer) if isinstance(optimizer, (ZeroOptimizer, Zero3)) else None
     for name, p, source in _sources(model, mp):
         if zero:
             mine = zero[id(p)]
             state = {k: v for k, v in mine.items() if k != "weight"} if mine["step"] else {}
-            weights[name] = gather_blocks(mine["weight"], p, tp)
+            pieces.append((name, "weight", mine["weight"], p))
         else:
             state = optimizer.state.get(source, {})
-            weights[name] = gather_blocks(source.float(), p, tp)
+            pieces.append((name, "weight", source.float(), p))
         if state:
-            moments[name] = {k: gather_blocks(state[k], p, tp) for k in ("exp_avg", "exp_avg_sq")}
-            moments[name]["step"] = float(state["step"])
+            pieces += [(name, k, state[k], p) for k in ("exp_avg", "exp_avg_sq")]
+            steps[name] = float(state["step"])
+    full = gather_blocks([t for _, _, t, _ in pieces], [p for *_, p in pieces], tp)
+    weights, moments = {}, {name: {"step": step} for name, step in steps.items()}
+    for (name, key, _, _), tensor in zip(pieces, full):
+        if key == "weight":
+            weights[name] = tensor
+        else:
+            moments[name][key] = tensor
     shares = gather_stages((weights, moments), pp_group)  # each stage holds some layers
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
@@ -208,18 +215,28 @@ def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> tor
                                                                                "tp_dim") else full
 
 
-def gather_blocks(tensor: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The full tensor from every rank's block of it, cut as `param`
-    is (a collective), on the CPU."""
-    if tp is None or not hasattr(param, "tp_dim"):
-        return tensor.detach().cpu().clone()
-    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
-    return torch.cat(parts, param.tp_dim).cpu()
+def gather_blocks(tensors: list, params: list, tp: TPGroup | None) -> list:
+    """The full tensors from every rank's blocks of them, each cut as its parameter is, on the CPU:
+    one all-gather of all the cut ones a dtype (a collective), not one a tensor, since every
+    collective costs a meeting of the group's ranks."""
+    out = [t.detach().cpu().clone() if tp is None or not hasattr(p, "tp_dim") else None
+           for t, p in zip(tensors, params)]
+    cut = [i for i, x in enumerate(out) if x is None]
+    for dtype in dict.fromkeys(tensors[i].dtype for i in cut):  # the same order on every rank
+        mine = [i for i in cut if tensors[i].dtype == dtype]
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in mine])
+        parts = [torch.empty_like(flat) for _ in range(tp.size)]
+        dist.all_gather(parts, flat, group=tp.group)
+        at = 0
+        for i in mine:  # every rank's block has this rank's shape
+            n, shape = tensors[i].numel(), tensors[i].shape
+            out[i] = torch.cat([x[at:at + n].view(shape) for x in parts], params[i].tp_dim).cpu()
+            at += n
+    return out
 
 
 def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
     """The single-device weights, blocks gathered from every rank of the group (a collective),
     under every name GPT.state_dict gives them (a tied weight under both)."""
-    return {name: gather_blocks(p, p, tp)
-            for name, p in model.named_parameters(remove_duplicate=False)}
+    names, params = zip(*model.named_parameters(remove_duplicate=False))
+    return dict(zip(names, gather_blocks(list(params), list(params), tp)))

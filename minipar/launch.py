@@ -27,8 +27,9 @@ Notebooks, scripts and tests call it, so it takes care of what makes multi-proce
   joins that job, runs fn once, and returns every rank's result (gathered as objects).
 
 Workers are started by a forkserver that has imported torch once (and torch._dynamo, which the
-first optimizer imports), so a launch costs a fork rather than a fresh interpreter (spawn: ~1 s a
-rank on a 2-core machine) and a worker's first training step imports nothing more of note.
+first optimizer imports: server.py), so a launch costs a fork rather than a fresh interpreter
+(spawn: ~1 s a rank on a 2-core machine) and a worker's first training step imports nothing more
+of note.
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
-import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -50,6 +50,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from minipar import server
+from minipar.server import torchrun_rank
 from minipar.script_check import check_script
 
 WORKER_NAME = "minipar-rank"  # a launched worker's process name starts so: it knows it is one
@@ -88,13 +90,6 @@ def pick_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def torchrun_rank() -> int | None:
-    """This process's rank in a torchrun job (torchrun sets RANK and WORLD_SIZE), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"])
-    return None
-
-
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60.0, on_line=None,
            **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` fresh ranks; return fn's results, by rank.
@@ -112,7 +107,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         return _join_torchrun(fn, world_size, args, kwargs, backend, timeout)
     check_script(fn)
     backend = pick_backend(backend, world_size)
-    ctx = _forkserver()
+    ctx = server.context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -136,30 +131,6 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
             out.conn.close()
         for conn in results:
             conn.close()
-
-
-def prestart() -> None:
-    """Start the worker server (`_forkserver`) in a background thread and return at once: its
-    imports, a few seconds of one core, then overlap what the caller does meanwhile (a lesson's
-    planning), and the first `launch` forks without waiting for them. Idempotent."""
-    if torchrun_rank() is None:
-        threading.Thread(target=lambda: (_forkserver(), mp.forkserver.ensure_running()),
-                         name="minipar-prestart", daemon=True).start()
-
-
-def _forkserver():
-    """multiprocessing's forkserver context (it keeps the one server a process has), told to preload
-    what a worker imports: every launch after the first forks from a server that has imported it.
-
-    torch._dynamo too: the first torch.optim optimizer a process builds imports it (about 800
-    modules, sympy among them; 2 s of CPU a rank on a 2-core machine), and every training worker
-    builds one. With it, a worker's first training step imports nothing the server lacks but two
-    modules of a few ms (einops' torch backend, torch.profiler's CUPTI check). minipar.launch
-    imports the minipar package, so train, parallelize and the rest are preloaded with it."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                    "minipar.launch"])
-    return context
 
 
 def _collect(procs, results: dict, outputs: dict, timeout: float, grace: float = 0.5) -> list:

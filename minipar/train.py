@@ -3,7 +3,6 @@
 `train(cfg, par, ...)` checks the configuration, then runs `train_rank` in this process (one rank,
 the single-device reference every technique is compared with) or on `par.world` ranks through
 `minipar.launch` (or the ranks of a torchrun job), and merges what the ranks return.
-
 `train_layouts` runs train_rank for many layouts, one after the other, in one job (one launch).
 
 A step: set the step's learning rate (`lr_at`: warmup, cosine decay), take the global batch of
@@ -30,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from minipar import checkpoint, comm, hardware, memory, preflight, share
+from minipar import checkpoint, comm, hardware, memory, preflight, server, share
 from minipar import data as dataset
 from minipar.activations import Unmetered
 from minipar.config import ParallelConfig
-from minipar.launch import heartbeat, launch, pick_backend, torchrun_rank
+from minipar.launch import heartbeat, launch, pick_backend
 from minipar.metrics import MetricsLog, ProgressBar, StepClock, check_tensorboard, max_memory_mib
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
@@ -134,8 +133,8 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
                              warmup=warmup, decay=decay, eval_every=eval_every,
                              eval_batches=eval_batches, save_every=save_every, timeout=timeout)
     # a world larger than the devices fails here (under torchrun: this node's share of it)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world)) if torchrun_rank() is not None \
-        else par.world
+    joined = server.torchrun_rank() is not None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world)) if joined else par.world
     backend = pick_backend(backend, local)
     device = "cuda" if backend == "nccl" or (backend == "auto" and par.world == 1
                                              and torch.cuda.is_available()) else "cpu"
@@ -178,9 +177,9 @@ def _run(job: dict, backend: str, device: str, timeout: float, bar, report: bool
     """train_rank on every rank: here (one process), as this rank of a torchrun job, or on local
     workers, which report through their output (the bar is drawn here)."""
     par = job["par"]
-    if par.world == 1 and not dist.is_initialized() and torchrun_rank() is None:
+    if par.world == 1 and not dist.is_initialized() and server.torchrun_rank() is None:
         return [train_rank(**job, report=bar.update if report else None, device=device)]
-    if torchrun_rank() is not None:
+    if server.torchrun_rank() is not None:
         return launch(train_rank, par.world, report=bar.update if report else None,
                       backend=backend, timeout=timeout, **job)
     return launch(train_rank, par.world, report=ProgressBar.print_line if report else None,
@@ -247,15 +246,15 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
                decay: str = "none", eval_every: int = 0, eval_batches: int = 2,
                metrics: str | None = None, tensorboard: str | None = None,
                settings: dict | None = None, peak_flops: float | None = None, report=None,
-               device: str | None = None, after_compute=None) -> RankResult:
+               device: str | None = None, after_compute=None, watch: bool = True) -> RankResult:
     """One rank's training run (the arguments are train's); returns its losses, timings, memory,
     bytes sent and (rank 0, with return_state) the single-device weights. Stops after a step whose
     loss is not finite (every rank sees the same global loss, so all stop together).
 
     report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
     after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
-    pipeline action) with the seconds it took: a hook for demonstrations
-    (demos_hetero's throttle)."""
+    pipeline action) with the seconds it took: a hook for demonstrations (demos_hetero's throttle).
+    watch=False: no step is watched by a Tracker (no step_memory or timeline; it doubles a step)."""
     # long: the loop reads top to bottom, one step's stages in order, each a line or two
     par.check(cfg, global_batch)  # train_layouts and torchrun come here without train()'s checks
     device = device or _device()
@@ -282,7 +281,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
         # the batch: this step's global batch, the same for every layout
         x, y = dataset.global_batch(data, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
         # one step, the second (steady: the optimizer's state exists), is watched by a Tracker
-        tracker = Tracker(run.memory_tensors()) if step == min(first + 1, steps - 1) else None
+        watched = watch and step == min(first + 1, steps - 1)
+        tracker = Tracker(run.memory_tensors()) if watched else None
         run.track(tracker)
         with tracker or contextlib.nullcontext():
             # forward and backward of this rank's micro-batches (pp > 1: in the schedule's order)

@@ -13,7 +13,7 @@ from minipar.train import train_layouts
 
 def layouts(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
             weight_decay: float = 0.0,
-            save: dict | None = None, return_state: bool = False) -> list:
+            save: dict | None = None, return_state: bool = False, watch: bool = True) -> list:
     """Train `cfg` under each ParallelConfig of `pars` (all of this world's size) in this one job,
     with what `minipar.train` runs on every rank (`train_layouts`), one layout after the other, each
     building its own grid and groups. One launch for many layouts: on a small CPU a launch of 8
@@ -24,20 +24,22 @@ def layouts(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
     Returns, per layout, this rank's RankResult: .memory {category: bytes} measured at the first
     step, .step_times seconds per step, .losses the global mean loss of each step, .comm {collective
     or "p2p": bytes sent over all the steps}, and with return_state .state_dict the single-device
-    weights (rank 0's; None elsewhere).
+    weights (rank 0's; None elsewhere); with watch, .step_memory, the second step's peaks as a
+    Tracker watched them (train_rank's `watch`).
     """
     torch.set_num_threads(1)  # 8 ranks on a few cores: one thread each, or
                               #   they fight over the cores
     jobs = [dict(par=par, save=(save or {}).get(i)) for i, par in enumerate(pars)]
     return train_layouts(jobs, cfg=cfg, steps=steps, global_batch=global_batch, lr=lr,
-                         weight_decay=weight_decay, return_state=return_state)
+                         weight_decay=weight_decay, return_state=return_state, watch=watch)
 
 
 def measured(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
              weight_decay: float = 0.0, save: dict | None = None, return_state: bool = False,
              then: tuple = ()) -> dict:
     """This machine measured for the planner, then `layouts`, then the jobs of `then`, in one
-    launch. First what `planner.this_machine` measures in a launch of its own (calibrate.py's
+    launch, no step watched by a Tracker (the lesson reads none: it would double a step). First what
+    `planner.this_machine` measures in a launch of its own (calibrate.py's
     `machine_rank` on rank 0, then `link_rank`'s probes on every rank); then the
     layouts, as `layouts` trains them; then, after a barrier (a checkpoint `save` wrote is on
     disk), each job of `then`: a dict of train_rank's keyword arguments (par, and any of steps,
@@ -48,8 +50,9 @@ def measured(cfg, pars: list, steps: int, global_batch: int, lr: float = 1e-3,
 
     from minipar.planner import calibrate
     machine, links = calibrate.machine_rank(), calibrate.link_rank()
-    out = layouts(cfg, pars, steps, global_batch, lr, weight_decay, save, return_state)
+    out = layouts(cfg, pars, steps, global_batch, lr, weight_decay, save, return_state, watch=False)
     dist.barrier()
     done = train_layouts(list(then), cfg=cfg, steps=steps, global_batch=global_batch, lr=lr,
-                         weight_decay=weight_decay, return_state=return_state) if then else []
+                         weight_decay=weight_decay, return_state=return_state,
+                         watch=False) if then else []
     return {"machine": machine, "links": links, "layouts": out, "then": done}

@@ -3,8 +3,8 @@
 Pipeline parallelism gives each of p ranks a contiguous chunk of the layers (a stage) and cuts the
 batch into m micro-batches; activations travel forward from stage to stage and their gradients
 travel back, so that stages work on different micro-batches at once (GPipe; 1F1B; interleaving;
-the B/W split: schedules.py cites each). The order of the work is the
-schedule, which is data (`minipar.pipeline.schedules`); this file executes any valid one.
+the B/W split: schedules.py cites each). The order of the work is the schedule, which is data
+(`minipar.pipeline.schedules`); this file executes any valid one.
 
     chunk k of p·v lives on pipeline rank k % p        (v = 1:  rank 0 | rank 1 | ... | rank p-1)
     F(k, j): x_j -> chunk k -> send to rank of k+1
@@ -139,12 +139,12 @@ def free_unused(model: GPT, chunks) -> None:
 
 
 def gather_stages(share, group) -> list:
-    """Every pipeline stage's `share` (anything picklable: its part of the weights...), in order."""
+    """Every stage's `share` (picklable), in order, on the group's first rank; [] on the others."""
     if group is None or dist.get_world_size(group) == 1:
         return [share]
-    shares = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, share, group=group)
-    return shares
+    first, shares = dist.get_global_rank(group, 0), [None] * dist.get_world_size(group)
+    dist.gather_object(share, shares if dist.get_rank() == first else None, first, group)
+    return shares if dist.get_rank() == first else []
 
 
 # ----------------------------------------------------------------------------- the messages
