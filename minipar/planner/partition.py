@@ -16,9 +16,16 @@ from minipar.mesh import grid_ranks
 from minipar.planner.gpu_time import chunk_cost, work_on
 
 
-def min_max(n_layer: int, layer: list[float], emb: list[float], head: list[float]) -> list[int]:
+def min_max(n_layer: int, layer, emb, head) -> list[int]:
     """Layers per chunk (len(layer) chunks, each >= 1, summing to n_layer) minimising the largest
     chunk time: n layer[c] + emb[c] on the first chunk + head[c] on the last."""
+    return list(_min_max(n_layer, tuple(layer), tuple(emb), tuple(head)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _min_max(n_layer: int, layer: tuple, emb: tuple, head: tuple) -> tuple:
+    """min_max, cached: a plan's layouts that differ only in what does not change a chunk's time
+    (the schedule, ZeRO, the micro-batch count...) split alike."""
     chunks = len(layer)
     if not 1 <= chunks <= n_layer:
         raise ValueError(f"{chunks} chunks cannot split {n_layer} layers (one at least each)")
@@ -34,7 +41,7 @@ def min_max(n_layer: int, layer: list[float], emb: list[float], head: list[float
             rest, sizes = best(c + 1, b)
             options.append((max(cost(c, a, b), rest), (b - a, *sizes)))
         return min(options)
-    return list(best(0, 0)[1])
+    return best(0, 0)[1]
 
 
 def chunk_seconds(cfg, par, cluster, b: int, attention: str) -> tuple[list, list, list]:

@@ -172,7 +172,8 @@ def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: d
     kept = materialized and par.recompute == "none"  # Korthikanti's attention matrix, 5as^2b/t
     extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0   # bytes a layer
     peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
-    states = par.replace(recompute="none")   # the states do not depend on it: one cache entry
+    states = par.replace(recompute="none", microbatches=par.pp, schedule="interleaved-1f1b" if
+                         par.virtual_stages > 1 else "1f1b")  # nor on these: one cache entry
     return [memory.by_category(_rank_states(cfg, states, tuple(per.items()), r,
                                             tuple(layers[r::par.pp])), peaks[r])
             for r in range(par.pp)]
@@ -347,8 +348,7 @@ def _replica_time(cfg, est: Estimate, j: int) -> tuple:
 
 
 def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
-    """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est` on
-    its GPUs (gpu_time.py)."""
+    """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est`."""
     par, cluster, p = est.par, est.cluster, est.par.pp
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     replicas = {}
