@@ -298,3 +298,15 @@ def test_prestart_starts_the_worker_server_in_the_background():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     returned, up = out.stdout.split()
     assert float(returned) < 0.5 and up == "True", out.stderr
+
+
+def test_import_minipar_leaves_torch_unimported_so_prestart_overlaps_it():
+    """`import minipar` is lazy (PEP 562): prestart runs before this process imports torch, and
+    `minipar.train` and `minipar.launch` stay the functions when their modules are imported."""
+    code = ("import sys, minipar\n"
+            "print('torch' in sys.modules)\n"
+            "from minipar.lessons import demos_3d\n"
+            "import minipar.launch\n"
+            "print(callable(minipar.train), callable(minipar.launch), minipar.demos.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True", "True", "minipar.lessons.demos"], out.stderr

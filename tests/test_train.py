@@ -41,3 +41,14 @@ def test_bf16_autocast_trains_close_to_fp32():
     bf16 = minipar.train(TINY, ParallelConfig(precision="bf16"), steps=5, global_batch=8, data="shakespeare")
     assert max(abs(a - b) for a, b in zip(fp32.losses, bf16.losses)) < 0.05
     assert fp32.losses != bf16.losses
+
+
+def test_a_run_not_watched_trains_and_counts_memory_the_same():
+    """train_rank(watch=False), lesson 06's: no step_memory, the same losses and counted bytes (the
+    activation meter alone) as a run whose second step a Tracker watched."""
+    from minipar.train import train_layouts
+    cfg = GPTConfig.preset("tiny")
+    watched, not_watched = train_layouts([ParallelConfig(), dict(par=ParallelConfig(), watch=False)],
+                                         cfg=cfg, steps=3, global_batch=4)
+    assert watched.step_memory and not not_watched.step_memory
+    assert not_watched.losses == watched.losses and not_watched.memory == watched.memory
