@@ -5,12 +5,14 @@ from scratch on torch.distributed.
     cfg = minipar.GPTConfig.preset("tiny")
     res = minipar.train(cfg, minipar.ParallelConfig(), steps=20, global_batch=8, data="shakespeare")
 
-The names below are imported when first used (PEP 562), so `import minipar; minipar.prestart()`
-starts the worker server before this process has imported torch.
+Its names (`__all__`: train, launch, plan, estimate, GPT, GPTConfig, ParallelConfig, Cluster, Mesh,
+comm, pipeline, ...) and its submodules (minipar.memory, minipar.planner...) are imported when first
+used (PEP 562), so `import minipar; minipar.prestart()` starts the worker server before this
+process has imported torch.
 """
-import importlib
-import sys
-import types
+import importlib as _importlib
+import sys as _sys
+import types as _types
 
 from minipar.server import prestart
 
@@ -20,16 +22,17 @@ _HOME = {"ParallelConfig": "config", "WorkerError": "launch", "WorkerTimeout": "
          "estimate": "planner", "explain": "planner", "format_table": "planner", "plan": "planner",
          "Cluster": "planner.cluster", "NonFiniteLoss": "train", "TrainResult": "train",
          "train": "train"}
+
 __all__ = ["comm", "demos", "pipeline", "tensor_parallel", *_HOME, "prestart"]
 
 
 def __getattr__(name: str):
-    """A name of _HOME from its module; `demos` (lessons.demos) or any submodule, imported."""
+    # a name of __all__ from the module that defines it; `demos` (lessons.demos) or any submodule
     if name in _HOME:
-        return getattr(importlib.import_module(f"minipar.{_HOME[name]}"), name)
+        return getattr(_importlib.import_module(f"minipar.{_HOME[name]}"), name)
     module = f"minipar.{'lessons.demos' if name == 'demos' else name}"
     try:
-        return importlib.import_module(module)
+        return _importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name != module:
             raise  # the submodule exists and failed to import something
@@ -37,16 +40,16 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*__all__, "__doc__", "__file__", "__name__", "__path__"})
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """Importing a submodule sets it on its package: `minipar.train` and `minipar.launch` stay the
-    functions of those names."""
+    functions of those names (setting either to a module is ignored)."""
 
     def __setattr__(self, name, value):
-        if not (name in _HOME and isinstance(value, types.ModuleType)):
+        if not (name in _HOME and isinstance(value, _types.ModuleType)):
             super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package

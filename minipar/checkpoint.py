@@ -217,8 +217,9 @@ def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> tor
 
 def gather_blocks(tensors: list, params: list, tp: TPGroup | None) -> list:
     """The full tensors from every rank's blocks of them, each cut as its parameter is, on the CPU:
-    one all-gather of all the cut ones a dtype (a collective), not one a tensor, since every
-    collective costs a meeting of the group's ranks."""
+    one all-gather of all the cut ones per dtype (a collective), not one per tensor, since every
+    collective costs a meeting of the group's ranks. Every rank's block of a tensor has the same
+    shape (ParallelConfig.check allows only even TP cuts)."""
     out = [t.detach().cpu().clone() if tp is None or not hasattr(p, "tp_dim") else None
            for t, p in zip(tensors, params)]
     cut = [i for i, x in enumerate(out) if x is None]

@@ -2,7 +2,7 @@
 
 `train(cfg, par, ...)` checks the configuration, then runs `train_rank` in this process (one rank,
 the single-device reference every technique is compared with) or on `par.world` ranks through
-`minipar.launch` (or the ranks of a torchrun job), and merges what the ranks return.
+`minipar.launch` (or the ranks of a torchrun job), and merges what the ranks return;
 `train_layouts` runs train_rank for many layouts, one after the other, in one job (one launch).
 
 A step: set the step's learning rate (`lr_at`: warmup, cosine decay), take the global batch of
@@ -11,10 +11,10 @@ this step (the same for every layout), run forward and backward on each of this 
 gradients, clip them by their global norm if asked, step the optimizer. The loss reported is the
 global mean. With uneven DP shares (ParallelConfig.dp_shares: a heterogeneous plan) each rank's loss
 is also weighted by its share, so the averaged gradients are still those of the global mean.
-Every `eval_every` steps: the loss on held-out batches (data.py's "val" split). A loss that is not
-finite stops the run (NonFiniteLoss), with no checkpoint of the broken weights.
-Metrics: loss, validation loss, step time, tokens/s, MFU (model FLOPs over the device's peak, which
-hardware.peak says), gradient norm, memory; per step to JSON lines, TensorBoard if asked (metrics).
+Every `eval_every` steps: the loss on held-out batches (data.py's "val" split). A non-finite loss
+stops the run (NonFiniteLoss), with no checkpoint of the broken weights.
+Metrics (loss, validation loss, step time, tokens/s, MFU, gradient norm, memory): per step to JSON
+lines, TensorBoard if asked (metrics). MFU: model FLOPs over hardware.peak's peak.
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
     after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
     pipeline action) with the seconds it took: a hook for demonstrations (demos_hetero's throttle).
-    watch=False: no step is watched by a Tracker (no step_memory or timeline; it doubles a step)."""
+    watch=False: no Tracker watches a step (no step_memory or timeline; a watched step takes 2x)."""
     # long: the loop reads top to bottom, one step's stages in order, each a line or two
     par.check(cfg, global_batch)  # train_layouts and torchrun come here without train()'s checks
     device = device or _device()
@@ -280,7 +280,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
             run.set_lr(rate)
         # the batch: this step's global batch, the same for every layout
         x, y = dataset.global_batch(data, step, global_batch, cfg.seq_len, cfg.vocab_size, seed)
-        # one step, the second (steady: the optimizer's state exists), is watched by a Tracker
+        # one step, the second (steady: the optimizer's state exists), may be watched (`watch`)
         watched = watch and step == min(first + 1, steps - 1)
         tracker = Tracker(run.memory_tensors()) if watched else None
         run.track(tracker)

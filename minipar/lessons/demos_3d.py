@@ -1,5 +1,6 @@
 """Worker functions for the 3D-parallelism lesson (06): `minipar.launch(demos_3d.layouts, 8, ...)`,
-and `measured`, the same with the planner's calibration of this machine first.
+and `measured`, the same with the planner's calibration of this machine first, resumed jobs after,
+and no step watched by a memory tracker.
 
 They live in a module for the reason `demos.py` gives: `launch` starts fresh processes, which import
 the function by name. Each returns plain data (lists, dicts) for the notebook to check.

@@ -3,7 +3,10 @@ vendor figures; mixed clusters of several kinds. No I/O here:
 `planner.calibrate` makes one of this machine."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -127,30 +130,43 @@ class Cluster:
 
     def device(self, rank: int) -> "Cluster":
         """The homogeneous part that GPU `rank` belongs to (the cluster itself when homogeneous)."""
-        for g in self.groups:
-            if rank < g.world:
-                return g
-            rank -= g.world
-        return self
+        if not self.groups or rank >= self.world:  # (past the last part: the cluster's own figures)
+            return self
+        return self.groups[bisect.bisect_right(self._starts, rank) - 1]
+
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:
+        """The first rank of each part: parts are contiguous ranges of ranks, in order."""
+        return tuple(itertools.accumulate([0, *(g.world for g in self.groups)]))[:-1]
+
+    def parts_of(self, ranks) -> list["Cluster"]:
+        """The homogeneous parts that the GPUs `ranks` run on: a look-up a part, not one a rank
+        (a stage of a 1000-GPU plan holds hundreds)."""
+        if not self.groups:
+            return [self]
+        ranks = sorted(ranks)
+        return [g for g, start in zip(self.groups, self._starts)
+                if (i := bisect.bisect_left(ranks, start)) < len(ranks) and
+                ranks[i] < start + g.world] + [self] * (ranks[-1] >= self.world)
 
     def island(self, rank: int) -> tuple[int, int]:
         """(part, node within it) of GPU `rank`: its scale-up domain (one node when homogeneous)."""
-        for i, g in enumerate(self.groups):
-            if rank < g.world:
-                return i, rank // g.gpus_per_node
-            rank -= g.world
-        return 0, rank // self.gpus_per_node
+        if not self.groups or rank >= self.world:  # (past the last part: the cluster's nodes)
+            return 0, (rank - self.world * bool(self.groups)) // self.gpus_per_node
+        i = bisect.bisect_right(self._starts, rank) - 1
+        return i, (rank - self._starts[i]) // self.groups[i].gpus_per_node
 
     def link(self, ranks) -> Link:
         """The link a collective among `ranks` runs on: the scale-up fabric (NVLink...) within one
-        island, else the NICs."""
-        ranks = list(ranks)
-        if len({self.island(r) for r in ranks}) <= 1:
-            dev = self.device(ranks[0])
+        island, else the NICs. (Islands are contiguous ranges of ranks: the lowest and the highest
+        rank decide.)"""
+        low, high = min(ranks), max(ranks)
+        if self.island(low) == self.island(high):
+            dev = self.device(low)
             return Link(dev.intra_bandwidth, dev.intra_latency)
         return Link(self.inter_bandwidth, self.inter_latency)
 
     def rate(self, ranks, precision: str) -> float:
         """Matmul FLOP/s of the slowest GPU among `ranks` (fp32 as TF32: half the 16-bit peak)."""
-        return min(self.device(r).peak_flops * self.device(r).efficiency for r in ranks) * \
+        return min(g.peak_flops * g.efficiency for g in self.parts_of(ranks)) * \
             (0.5 if precision == "fp32" else 1.0)

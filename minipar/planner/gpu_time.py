@@ -103,11 +103,11 @@ class Work:
 def work_on(cluster: Cluster, ranks, par, b: int, attention: str) -> Work:
     """How the GPUs `ranks` of `cluster` (a chunk's TP group, or a stage) run a micro-batch of b
     sequences of layout `par`: the slowest one's matmul rate, HBM and SMs, their link."""
+    parts = cluster.parts_of(ranks)
     return Work(b, par.tp, par.sequence_parallel, par.recompute,
                 memory.element_bytes(par.precision), cluster.rate(ranks, par.precision),
-                min(cluster.device(x).memory_bandwidth for x in ranks), cluster.link(ranks),
-                par.schedule == "zb-h1", attention == "materialized",
-                min(cluster.device(x).sms for x in ranks))
+                min(g.memory_bandwidth for g in parts), cluster.link(ranks),
+                par.schedule == "zb-h1", attention == "materialized", min(g.sms for g in parts))
 
 
 def waves(m: int, n: int, sms: int, batch: int = 1, tile: int = TILE) -> int:

@@ -237,9 +237,8 @@ def capacities(cluster, par) -> tuple[float, ...]:
     """What each pipeline stage's counted tensors may fill: the smallest memory_per_gpu of its
     GPUs times their kind's `usable` fraction (the rest is the allocator's, the collectives' and
     the kernels' workspaces, and the CUDA context: Cluster.usable)."""
-    return tuple(min(cluster.device(x).memory_per_gpu * cluster.device(x).usable
-                     for x in grid_ranks(par.dp, par.tp, par.pp, pp_rank=r))
-                 for r in range(par.pp))
+    stages = (cluster.parts_of(grid_ranks(par.dp, par.tp, par.pp, r)) for r in range(par.pp))
+    return tuple(min(g.memory_per_gpu * g.usable for g in parts) for parts in stages)
 
 
 def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
@@ -353,7 +352,8 @@ def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     replicas = {}
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
-        key = (m, tuple(cluster.device(x).name for x in grid_ranks(par.dp, par.tp, p, dp_rank=j)))
+        key = (m, tuple(tuple(cluster.parts_of(grid_ranks(par.dp, par.tp, p, r, j)))
+                        for r in range(p)))
         if key not in replicas:
             replicas[key] = _replica_time(cfg, est, j)
     span, terms, costs, timeline = max(replicas.values(), key=lambda x: x[0])
@@ -367,7 +367,7 @@ def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
         link = cluster.link(stage[::par.tp])
         dp = max(dp, dp_time(par, sum(units), per, link, backward, backward + forward,
                              len(units), forward, est.overlap))
-        hbm = min(cluster.device(x).memory_bandwidth for x in stage)
+        hbm = min(g.memory_bandwidth for g in cluster.parts_of(stage))
         opt = max(opt, optimizer_time(sum(units) / (par.dp if par.zero else 1), per, hbm))
     return span + dp + opt, {**terms, "dp_comm": dp, "optimizer": opt}, timeline
 
