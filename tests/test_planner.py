@@ -4,6 +4,7 @@ No processes: everything here is arithmetic and the pipeline simulator.
 """
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -250,6 +251,11 @@ def test_plan_that_cannot_fit_says_what_would():
                         intra_bandwidth=240e9, intra_latency=1e-6, inter_bandwidth=25e9, inter_latency=5e-6)
     with pytest.raises(NoFeasiblePlan, match=r"needs .* GiB.*With \d+ GPUs .* it fits"):
         plan(CFG, tiny_gpus, global_batch=32, micro_batches=(4,), recompute=("none",))
+    mixed = Cluster.mixed([tiny_gpus, dataclasses.replace(tiny_gpus, memory_per_gpu=3 * GiB, name="bigger")])
+    with pytest.raises(NoFeasiblePlan) as e:   # each kind's memory named, not the smallest's alone
+        plan(CFG, mixed, global_batch=32, micro_batches=(4,), recompute=("none",))
+    assert "custom: 2 GiB a GPU" in str(e.value) and "bigger: 3 GiB a GPU" in str(e.value)
+    assert re.search(r"With \d+ GPUs of 2 GiB, the smallest kind's, it fits", str(e.value)), str(e.value)
 
 
 def test_heterogeneous_cluster_splits_layers_and_batch_by_search():

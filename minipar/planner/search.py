@@ -147,9 +147,11 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
                 "micro-batches "
                 f"{tuple(micro_batches)}: choose a global batch divisible by more data-parallel "
                 "degrees")
-    lines = [f"nothing fits {cluster.memory_per_gpu / GiB:.0f} GiB a GPU ({cluster.usable:.0%} "
-             f"usable) on {cluster.world} GPUs: the smallest, "
-             f"{smallest.label}, needs {smallest.peak_memory / GiB:.1f} GiB "
+    gpus = "; ".join(f"{g.name}: {g.memory_per_gpu / GiB:.0f} GiB a GPU, {g.usable:.0%} usable"
+                     for g in cluster.groups or (cluster,))
+    lines = [f"nothing fits ({gpus}) on {cluster.world} GPUs: the smallest, {smallest.label}, "
+             f"needs {smallest.peak_memory / GiB:.1f} GiB on its fullest GPU, of "
+             f"{smallest.capacity / GiB:.1f} usable there "
              f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in smallest.memory.items())})."]
     if 1 not in micro_batches:
         lines.append("Try micro-batch 1 (activations scale with it).")
@@ -161,8 +163,9 @@ def _advice(cfg, cluster, global_batch, smallest, micro_batches, zero, recompute
         bigger = dataclasses.replace(cluster, nodes=cluster.nodes * k, groups=())
         est = _fits_somewhere(cfg, bigger, global_batch, precision)
         if est is not None:
-            lines.append(f"With {bigger.world} GPUs ({bigger.nodes} nodes) it fits, e.g. "
-                         f"{est.label} "
+            like = (f" of {bigger.memory_per_gpu / GiB:.0f} GiB, the smallest kind's," if
+                    cluster.groups else f" ({bigger.nodes} nodes)")
+            lines.append(f"With {bigger.world} GPUs{like} it fits, e.g. {est.label} "
                          f"({est.peak_memory / GiB:.1f} GiB).")
             break
     else:
