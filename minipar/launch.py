@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 
 from minipar import server
-from minipar.server import torchrun_rank
 from minipar.script_check import check_script
 
 WORKER_NAME = "minipar-rank"  # a launched worker's process name starts so: it knows it is one
@@ -103,7 +102,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    if torchrun_rank() is not None:
+    if server.torchrun_rank() is not None:
         return _join_torchrun(fn, world_size, args, kwargs, backend, timeout)
     check_script(fn)
     backend = pick_backend(backend, world_size)
