@@ -67,6 +67,8 @@ class CPU:
     share: float = 1.0    # a rank's speed while every rank runs a micro-step, over its speed alone
     links: tuple = ()     # (group size, meet s, s a ring step, bytes/s), per group size measured
     measured_at: float = 0.0  # when, time.time() (0: not known)
+    slowdown: float = 1.0     # an emulated kind (`emulate`): each compute then sleeps
+                              #   (slowdown - 1) times its time (lessons/demos_hetero.throttle)
 
     def link(self, n: int) -> tuple[float, float, float]:
         """(s to meet after compute, s a ring step, bandwidth) among n ranks:
@@ -130,11 +132,12 @@ def machine_rank(reps: int = 7) -> dict:
 
 def probe_groups() -> dict:
     """{group size g: this rank's group of g consecutive ranks}, for g in 2, 4, 8 dividing the
-    world: the groups `link_rank` probes. Collective: every rank calls
-    it (each must make every group)."""
+    world, and 2 in any world of 2 or more (an odd world's last rank in none: None). The groups
+    `link_rank` probes. Collective: every rank calls it (each must make every group)."""
     rank, world, out = dist.get_rank(), dist.get_world_size(), {}
-    for g in (g for g in (2, 4, 8) if world % g == 0):
-        out[g] = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)][rank // g]
+    for g in (g for g in (2, 4, 8) if world % g == 0 or g == 2 <= world):
+        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world - g + 1, g)]
+        out[g] = groups[rank // g] if rank // g < len(groups) else None
     return out
 
 
@@ -180,11 +183,13 @@ def link_rank(seconds: float = 0.15, groups: dict | None = None) -> dict:
             a @ w
 
     small, big = torch.zeros(256), torch.zeros(2 ** 18)
-    for g, group in groups.items():
-        out[g] = (_cycle(work, lambda: comm.all_reduce(small, group), seconds),
-                  _cycle(work, None, seconds),
-                  _cycle(None, lambda: comm.all_reduce(small, group), seconds / 2),
-                  _cycle(None, lambda: comm.all_reduce(big, group), seconds / 2))
+    for g, group in groups.items():  # a rank in no group of g runs the cycles (they are
+        # collective), its collective a no-op, and reports None
+        reduce = (lambda x: None) if group is None else (lambda x: comm.all_reduce(x, group))
+        cycles = (_cycle(work, lambda: reduce(small), seconds), _cycle(work, None, seconds),
+                  _cycle(None, lambda: reduce(small), seconds / 2),
+                  _cycle(None, lambda: reduce(big), seconds / 2))
+        out[g] = cycles if group is not None else None
     return out
 
 
@@ -199,7 +204,8 @@ def with_links(cpu: CPU | None, probes: list[dict], machine: dict | None = None)
     cpu is None."""
     links = []
     for g in (g for g in probes[0] if isinstance(g, int)):
-        after, work, tight, big = (statistics.median(p[g][i] for p in probes) for i in range(4))
+        after, work, tight, big = (statistics.median(p[g][i] for p in probes if p[g])
+                                   for i in range(4))
         steps = 2 * (g - 1)
         links.append((g, max(after - work - tight, 0.0), tight / steps,
                       steps * 2 ** 20 / g / max(big - tight, 1e-9)))
@@ -278,6 +284,26 @@ def cluster_of(cpu: CPU) -> Cluster:
                    peak_flops=cpu.matmul,
                    efficiency=1.0, memory_bandwidth=cpu.copy_rate, name=f"this-cpu-x{cpu.world}",
                    cpu=cpu, **link)
+
+
+def emulate(machine: Cluster, kinds) -> Cluster:
+    """A mixed cluster of device kinds emulated by this machine's ranks (`this_machine`'s Cluster
+    of their total world): kinds = [(name, ranks, slowdown, memory bytes)], in rank order. A kind
+    computes `slowdown` (>= 1) times slower, by the throttle that sleeps after each compute
+    (lessons/demos_hetero.throttle), so its peak is the machine's over slowdown and cpu_time
+    replays the sleeps; `memory` is its capacity, all of it usable (the check of the planned
+    bytes, not an allocator's). Sleeping frees the core: the emulation holds while the compute of
+    all ranks at once fits the cores (sum of 1 / slowdown at most cores // threads)."""
+    kinds = list(kinds)
+    if sum(n for _, n, _, _ in kinds) != machine.world:
+        raise ValueError(f"the kinds have {sum(n for _, n, _, _ in kinds)} ranks, the machine's "
+                         f"calibration {machine.world}")
+    if any(not f >= 1.0 for _, _, f, _ in kinds):
+        raise ValueError(f"slowdowns must be >= 1 (times slower), got {[k[2] for k in kinds]}")
+    return Cluster.mixed(dataclasses.replace(
+        machine, gpus_per_node=n, nodes=1, name=name, memory_per_gpu=memory, usable=1.0,
+        peak_flops=machine.peak_flops / f, cpu=dataclasses.replace(machine.cpu, slowdown=f))
+        for name, n, f, memory in kinds)
 
 
 # ----------------------------------------------------------------------- many layouts, one launch

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from minipar import memory, pipeline
 from minipar.data_parallel import split
+from minipar.mesh import grid_ranks
 from minipar.pipeline.schedules import inputs
 from minipar.planner.layer_profile import profile
 
@@ -114,15 +115,17 @@ def speed(cpu, k: float) -> float:
 
 
 def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, copies: int, cpu,
-                  record: list | None = None):
+                  record: list | None = None, slow: list | None = None):
     """Replay a schedule as `pipeline.schedules.replay` does, but with the cores shared: an action
     is `work` seconds of computing (at full speed) then `wait` seconds of collectives; while k ranks
     of the pipeline compute, each goes at speed(k * copies) (copies: the
-    replicas and TP ranks doing the same).
+    replicas and TP ranks doing the same). slow[r] (emulated kinds, `calibrate.emulate`): pipeline
+    rank r then sleeps (slow[r] - 1) times the action's time, off the cores, as the throttle does.
     work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting)
-    seconds); record, if given, gets per rank [(action, start, end)]
-    (a `pipeline.Timeline`'s events)."""
+    seconds, a throttled rank's sleep counted as computing); record, if given, gets per rank
+    [(action, start, end)] (a `pipeline.Timeline`'s events)."""
     p = len(actions)
+    slow = slow or [1.0] * p
     if record is not None:
         record[:] = [[] for _ in range(p)]
     nxt, phase, left, until = [0] * p, [None] * p, [0.0] * p, [0.0] * p
@@ -137,7 +140,10 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
                     a = actions[r][nxt[r]]
                     phase[r], until[r] = "wait", now + wait[a.op][a.stage]
                     changed = True
-                if phase[r] == "wait" and until[r] <= now + 1e-12:
+                if phase[r] == "wait" and until[r] <= now + 1e-12 and slow[r] > 1.0:
+                    spent[r][0] += (slow[r] - 1.0) * (now - started[r])
+                    phase[r], until[r] = "sleep", now + (slow[r] - 1.0) * (now - started[r])
+                if phase[r] in ("wait", "sleep") and until[r] <= now + 1e-12:
                     done[actions[r][nxt[r]]] = now
                     if record is not None:
                         record[r].append((actions[r][nxt[r]], started[r], now))
@@ -162,7 +168,7 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
         busy = [r for r in range(p) if phase[r] == "work"]
         v = speed(cpu, len(busy) * copies)
         events = [now + left[r] / v for r in busy] + [until[r] for r in range(p)
-                                                      if phase[r] in ("wait", "ready")]
+                                                      if phase[r] in ("wait", "sleep", "ready")]
         if not events:
             break
         step = max(min(events) - now, 0.0)
@@ -223,6 +229,12 @@ def _pipeline(cfg, est, e: int):
                          f"planner.this_machine(world={par.world})")
     if len(set(est.shares)) != 1:
         raise ValueError("the CPU model covers even DP shares only")
+    slow = [[max(g.cpu.slowdown for g in est.cluster.parts_of(grid_ranks(par.dp, par.tp, par.pp,
+                                                                          r, j)))
+             for r in range(par.pp)] for j in range(par.dp)]
+    if any(s != slow[0] for s in slow):
+        raise ValueError("the CPU model covers replicas of the same emulated kinds only, stage by "
+                         f"stage (slowdowns per replica: {slow})")
     mode = "plain" if par.pp == 1 else "split" if par.schedule == "zb-h1" else "pipe"
     prof = profile(cfg, b, par.tp, par.sequence_parallel, par.recompute, par.precision,
                    cpu.threads, mode)
@@ -246,7 +258,7 @@ def _pipeline(cfg, est, e: int):
     sync, step, bandwidth = cpu.link(2)
     latency = sync + step + x / bandwidth if p > 1 else 0.0
     actions = pipeline.cached_schedule(par.schedule if p > 1 else "1f1b", p, m, par.virtual_stages)
-    return prof, actions, chunks, work, wait, latency
+    return prof, actions, chunks, work, wait, latency, slow[0]
 
 
 def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
@@ -257,9 +269,10 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
     par, cpu, p = est.par, est.cluster.cpu, est.par.pp
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     e = memory.element_bytes(par.precision)
-    prof, actions, chunks, work, wait, latency = _pipeline(cfg, est, e)
+    prof, actions, chunks, work, wait, latency, slow = _pipeline(cfg, est, e)
     events = []
-    span, spent = replay_shared(actions, chunks, work, wait, latency, par.dp * par.tp, cpu, events)
+    span, spent = replay_shared(actions, chunks, work, wait, latency, par.dp * par.tp, cpu, events,
+                                slow)
     busiest = max(range(p), key=lambda r: sum(spent[r]))
     dp = opt = sp = 0.0
     for r in range(p):

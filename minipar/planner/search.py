@@ -197,19 +197,27 @@ def explain(estimates: list[Estimate], top: int = 5) -> str:
     return "\n".join(lines)
 
 
+def vendor_blind(est: Estimate, cluster: Cluster | None = None) -> Estimate:
+    """`est`'s layout split as if every chip were alike, on `cluster` in its own order of kinds
+    (est's own by default): the layers and the micro-batches split evenly, timed when it fits."""
+    cluster = cluster or est.cluster
+    even = lambda n, k, unit=1: [unit * (n // unit // k + (i < n // unit % k)) for i in range(k)]
+    blind = sized(est.cfg, est.par, cluster, est.global_batch, est.micro_batch,
+                  even(est.cfg.n_layer, len(est.layers)),
+                  even(sum(est.shares), len(est.shares), _share_unit(est.par)),
+                  est.attention, est.overlap)
+    return time_layout(est.cfg, blind) if blind.fits else blind
+
+
 def _blind(best: Estimate) -> list[str]:
     """On a mixed cluster, the winner against itself split as if every chip were alike: the same
     layout and order, the layers and the micro-batches split evenly."""
     if not best.cluster.groups:
         return []
-    even = lambda n, k, unit=1: [unit * (n // unit // k + (i < n // unit % k)) for i in range(k)]
-    blind = sized(best.cfg, best.par, best.cluster, best.global_batch, best.micro_batch,
-                  even(best.cfg.n_layer, len(best.layers)),
-                  even(sum(best.shares), len(best.shares), _share_unit(best.par)),
-                  best.attention, best.overlap)
-    verdict = (f"{time_layout(best.cfg, blind).step_time:.4g} s, "
-               f"{blind.step_time / best.step_time - 1:.1%} slower") if blind.fits else \
-        f"does not fit ({blind.peak_memory / GiB:.1f} GiB of {blind.capacity / GiB:.1f})"
+    blind = vendor_blind(best)
+    verdict = (f"{blind.step_time:.4g} s, {blind.step_time / best.step_time - 1:.1%} slower"
+               if blind.fits else
+               f"does not fit ({blind.peak_memory / GiB:.1f} GiB of {blind.capacity / GiB:.1f})")
     p = best.par.pp
     where = (f"stages in the order {best.cluster.name}, layers per chunk {list(best.layers)} "
              f"(chunk k on stage k % {p}), " if p > 1 else "") + \
