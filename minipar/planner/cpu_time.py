@@ -124,6 +124,7 @@ def replay_shared(actions, chunks: int, work: dict, wait: dict, latency: float, 
     work, wait: {op: [seconds per chunk]}. Returns (makespan, per rank (computing, waiting)
     seconds, a throttled rank's sleep counted as computing); record, if given, gets per rank
     [(action, start, end)] (a `pipeline.Timeline`'s events)."""
+    # long: one event loop whose phases (ready, work, wait, sleep) share the ranks' state
     p = len(actions)
     slow = slow or [1.0] * p
     if record is not None:
