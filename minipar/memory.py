@@ -25,7 +25,7 @@ from minipar.comm import receive_numel
 from minipar.data_parallel import split
 from minipar.mesh import Mesh
 from minipar.pipeline.runtime import partition
-from minipar.pipeline.schedules import cached_schedule
+from minipar.pipeline.schedules import cached_schedule, derived, in_flight
 from minipar.zero3 import unit_events
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
@@ -370,18 +370,9 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     loss = saved - kept  # what B frees when W comes later
     held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
-    peaks = []
-    for mine in actions:
-        # with W apart, B frees only the loss's part (after the last module)
-        split = any(a.op == "W" for a in mine)
-        freed = {"B": [loss * (k == chunks - 1) if split else held[k] for k in range(chunks)],
-                 "W": [held[k] - loss * (k == chunks - 1) for k in range(chunks)]}
-        current = peak = 0
-        for a in mine:
-            current += held[a.stage] if a.op == "F" else -freed[a.op][a.stage]
-            peak = max(peak, current)
-        peaks.append(peak)
-    return peaks
+    return [max(sum(n * held[k] for k, n in zip(mine, counts)) - past_b * loss
+                for counts, past_b in states)
+            for mine, states in derived(in_flight, actions, chunks)]
 
 
 def loss_bytes(cfg, b: int, t: int, e: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ value: built once, validated, passed explicitly. No module-level group state.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -29,9 +30,15 @@ def grid_ranks(dp: int, tp: int, pp: int, pp_rank: int | None = None,
                dp_rank: int | None = None) -> list[int]:
     """Global ranks, ascending, of pipeline stage `pp_rank`'s block (every replica), of DP replica
     `dp_rank` (every stage), or, with both, of one TP group; of the whole grid with neither."""
+    return list(_grid_ranks(dp, tp, pp, pp_rank, dp_rank))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _grid_ranks(dp: int, tp: int, pp: int, pp_rank, dp_rank) -> tuple[int, ...]:
+    """grid_ranks, cached: the planner asks for the same blocks of every layout it times."""
     stages = range(pp) if pp_rank is None else [pp_rank]
     replicas = range(dp) if dp_rank is None else [dp_rank]
-    return [rank_at(dp, tp, j, k, i) for i in stages for j in replicas for k in range(tp)]
+    return tuple(rank_at(dp, tp, j, k, i) for i in stages for j in replicas for k in range(tp))
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,40 @@ def test_the_plan_is_the_best_of_every_order_and_layout_by_brute_force():
     if best.par.pp > 1:
         assert best.label.endswith(f"on {best.cluster.name}")
     assert "as if all chips were alike" in explain([best])
+
+
+def test_a_collective_runs_at_the_slowest_level_it_crosses():
+    """Levels: an island's fabric, a pod's NICs at full bandwidth, and across pods the NICs' share
+    above them (Llama 3's clusters: pods of 3,072 GPUs, 1:7 above) with the spine's latency."""
+    h100 = Cluster.preset("dgx-h100")
+    pods = Cluster.preset("dgx-h100", nodes=4, pod=2, oversubscription=7.0, spine_latency=2e-6)
+    assert pods.link(range(8)) == Link(h100.intra_bandwidth, h100.intra_latency)
+    assert pods.link([0, 15]) == Link(h100.inter_bandwidth, h100.inter_latency)       # one pod
+    assert pods.link([8, 16]) == Link(h100.inter_bandwidth / 7, h100.inter_latency + 2e-6)
+    assert [pods.pod_of(r) for r in (0, 15, 16, 31)] == [(0, 0), (0, 0), (0, 1), (0, 1)]
+    flat = Cluster.preset("dgx-h100", nodes=4)
+    assert flat.link([0, 31]) == Link(h100.inter_bandwidth, h100.inter_latency)      # one pod: pod=0
+    mixed = Cluster.mixed([pods, A100])   # kinds are pods of their own, joined above their switches
+    assert mixed.link([0, 8]) == Link(A100.inter_bandwidth, h100.inter_latency)
+    assert mixed.link([0, 32]) == Link(A100.inter_bandwidth / 7, h100.inter_latency + 2e-6)
+    with pytest.raises(ValueError, match="oversubscription must be >= 1"):
+        Cluster.preset("dgx-h100", oversubscription=0.5)
+    with pytest.raises(ValueError, match="takes pod, oversubscription and spine_latency"):
+        Cluster.preset("dgx-h100", nodes=2, peak_flops=1.0)
+
+
+def test_an_oversubscribed_spine_keeps_data_parallel_groups_inside_a_pod():
+    """Two pods at 1:7: the planner's winner keeps each stage's DP group inside a pod (pipeline
+    stages, outermost, cross the spine with one activation a micro-batch); with a non-blocking
+    spine the winner is a plain DP layout whose gradient all-reduce spans both pods."""
+    cfg = GPTConfig.preset("llama3-8b")
+    flat = plan(cfg, Cluster.preset("dgx-h100", nodes=16), 256)[0]
+    pods = Cluster.preset("dgx-h100", nodes=16, pod=8, oversubscription=7.0, spine_latency=2e-6)
+    best = plan(cfg, pods, 256)[0]
+    assert flat.par.pp == 1 and best.par.pp > 1
+    par = best.par
+    for r in range(par.pp):
+        dp_group = grid_ranks(par.dp, par.tp, par.pp, pp_rank=r)
+        assert len({pods.pod_of(x) for x in dp_group}) == 1
+    assert estimate(cfg, flat.par, pods, 256, flat.micro_batch).breakdown["dp_comm"] > \
+        2 * flat.breakdown["dp_comm"]

@@ -271,8 +271,8 @@ def test_heterogeneous_cluster_splits_layers_and_batch_by_search():
     for layout in (par, par.replace(dp=2, pp=1)):
         est = estimate(CFG, layout, mixed, global_batch=32, micro_batch=1)
         rule = split_layout(CFG, layout, mixed, 32, 1)
-        rule = time_layout(CFG, sized(CFG, rule.par, mixed, 32, 1, _proportional(24, [1, 989 / 312]) if
-                                      layout.pp > 1 else rule.layers, _proportional(32, [1, 989 / 312])))
+        rule = time_layout(CFG, sized(CFG, rule.par, mixed, 32, 1, *((_proportional(24, [1, 989 / 312]), (32,))
+                                      if layout.pp > 1 else (rule.layers, _proportional(32, [1, 989 / 312])))))
         assert est.step_time < rule.step_time and sum(est.shares) == 32
         assert est.layers[-1] > est.layers[0] if layout.pp > 1 else est.shares[1] > est.shares[0]
         for layers, shares in (((est.layers[0] + d, est.layers[1] - d), est.shares) if layout.pp > 1

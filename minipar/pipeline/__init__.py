@@ -9,8 +9,9 @@
 from minipar.pipeline.schedules import (SCHEDULES, Action, cached_schedule, check, gpipe, inputs,
                                         interleaved_1f1b, one_f_one_b, rank_of, replay, schedule,
                                         stage_of, validate, zb_h1)
-from minipar.pipeline.simulate import Timeline, simulate, to_chrome_trace
+from minipar.pipeline.simulate import Replay, Timeline, replayed, simulate, to_chrome_trace
 
-__all__ = ["SCHEDULES", "Action", "Timeline", "cached_schedule", "check", "gpipe", "inputs",
-           "interleaved_1f1b", "one_f_one_b", "rank_of", "replay", "schedule", "simulate",
+__all__ = ["SCHEDULES", "Action", "Replay", "Timeline", "cached_schedule", "check", "gpipe",
+           "inputs", "interleaved_1f1b", "one_f_one_b", "rank_of", "replay", "replayed", "schedule",
+           "simulate",
            "stage_of", "to_chrome_trace", "validate", "zb_h1"]

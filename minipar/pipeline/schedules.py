@@ -185,11 +185,17 @@ def schedule(name: str, stages: int, microbatches: int,
     return SCHEDULES[name](stages, microbatches)
 
 
+class Schedule(tuple):
+    """A `cached_schedule`: each rank's tuple of actions, immutable, carrying what is derived from
+    it (`derived`)."""
+
+
 @functools.lru_cache(maxsize=256)
-def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> tuple:
+def cached_schedule(name: str, stages: int, microbatches: int,
+                    virtual_stages: int = 1) -> Schedule:
     """`schedule`, cached and immutable (a tuple of each rank's tuple of actions): the planner, its
     plots and the memory model walk the same schedules many times, and may share them safely."""
-    actions = tuple(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
+    actions = Schedule(map(tuple, schedule(name, stages, microbatches, virtual_stages)))
     check(actions, stages, microbatches, virtual_stages)   # once: callers may simulate unchecked
     return actions
 
@@ -207,25 +213,46 @@ def replay(actions: list[list[Action]], stages: int, virtual_stages: int = 1, du
     Returns ({action: (rank, start, end)}, stuck), stuck being [(rank, action, missing input)] for
     the ranks that could not finish: a deadlock, i.e. a cycle of same-rank order and data edges.
     """
-    cached = isinstance(actions, tuple) and all(isinstance(ops, tuple) for ops in actions)
-    order, stuck = (_order if cached else _order.__wrapped__)(actions, stages * virtual_stages)
-    done, clock = {}, [0.0] * len(actions)
-    for r, a, needs in order:
+    order, stuck = derived(run_order, actions, stages * virtual_stages)
+    times = [duration(r, a) for r, a, _ in order] if duration else [0.0] * len(order)
+    starts, ends = replay_times(order, len(actions), times, latency)
+    return {a: (r, s, e) for (r, a, _), s, e in zip(order, starts, ends)}, list(stuck)
+
+
+def replay_times(order: tuple, ranks: int, times: list, latency: float) -> tuple[list, list]:
+    """(start, end) lists of `run_order`'s actions, each taking times[i] (i: its position in the
+    order)."""
+    starts, ends, clock = [0.0] * len(order), [0.0] * len(order), [0.0] * ranks
+    for i, (r, _, needs) in enumerate(order):
         start = clock[r]
-        for d in needs:   # (a plain loop: the planner replays 10^5-action schedules)
-            rank, _, end = done[d]
-            start = max(start, end + latency if rank != r else end)
-        clock[r] = start + (duration(r, a) if duration else 0.0)
-        done[a] = (r, start, clock[r])
-    return done, list(stuck)
+        for j, same in needs:   # (plain loops: the planner replays 10^5-action schedules)
+            end = ends[j] if same else ends[j] + latency
+            if end > start:
+                start = end
+        starts[i], ends[i] = start, start + times[i]
+        clock[r] = ends[i]
+    return starts, ends
 
 
-@functools.lru_cache(maxsize=64)
-def _order(actions: tuple, chunks: int) -> tuple[tuple, tuple]:
-    """(an order `replay` can run the actions in, as (rank, action, its inputs); stuck): each rank
-    in its list's order, each action after its inputs. Which order that is does not depend on the
-    durations, so a schedule's is found once (cached for immutable `cached_schedule`s)."""
-    order, done, nxt = [], set(), [0] * len(actions)
+def derived(fn, actions, *args):
+    """fn(actions, *args), found once for a `cached_schedule` and kept with it (what the planner
+    derives from one schedule many times over: an order to replay it in, the activations in
+    flight), else each call. Kept on the schedule, not in a cache keyed by its value: hashing a
+    schedule walks all its actions, 10^5 in a large pipeline."""
+    if not isinstance(actions, Schedule):
+        return fn(actions, *args)
+    found = actions.__dict__.setdefault("derived", {})
+    if (fn, args) not in found:
+        found[fn, args] = fn(actions, *args)
+    return found[fn, args]
+
+
+def run_order(actions: tuple, chunks: int) -> tuple[tuple, tuple]:
+    """(an order `replay` can run the actions in, as (rank, action, its inputs as (their position
+    in the order, whether on the same rank)); stuck): each rank in its list's order, each action
+    after its inputs. Which order that is does not depend on the durations, so a schedule's is
+    found once (`derived`)."""
+    order, done, nxt = [], {}, [0] * len(actions)
     waiting, ready = {}, list(range(len(actions)))   # input -> ranks blocked on it; ranks to run
     while ready:
         r = ready.pop()
@@ -237,13 +264,46 @@ def _order(actions: tuple, chunks: int) -> tuple[tuple, tuple]:
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
-            order.append((r, a, needs))
-            done.add(a)
+            order.append((r, a, tuple((done[d][0], done[d][1] == r) for d in needs)))
+            done[a] = (len(order) - 1, r)   # its position in the order, its rank
             nxt[r] += 1
             ready += waiting.pop(a, ())
     stuck = [(r, ops[nxt[r]], next(d for d in inputs(ops[nxt[r]], chunks) if d not in done))
              for r, ops in enumerate(actions) if nxt[r] < len(ops)]
     return tuple(order), tuple(stuck)
+
+
+def in_flight(actions, chunks: int) -> list[tuple]:
+    """Per rank: (its chunks, the states its actions pass through, the empty one included, each
+    as (micro-batches in flight per chunk of its chunks: F run, the last backward op not yet;
+    those of the last chunk past B but not W)). An F makes its chunk's micro-batch held, the last
+    backward op (W if the schedule splits backward, else B) frees it; with W apart, B frees only
+    the loss's part (after the last module). A rank's activations in a state are its held bytes
+    less the loss's of the micro-batches past B (memory.pipeline_activations): its peak is one
+    of these states', so the states that another one bounds are left out."""
+    out = []
+    for ops in actions:
+        split = any(a.op == "W" for a in ops)
+        mine = sorted({a.stage for a in ops})
+        at, counts, past_b = {k: i for i, k in enumerate(mine)}, [0] * len(mine), 0
+        states = {((0,) * len(mine), 0)}
+        for a in ops:
+            if a.op == "F":
+                counts[at[a.stage]] += 1
+            elif a.op == "W" or not split:
+                counts[at[a.stage]] -= 1
+                past_b -= split and a.stage == chunks - 1
+            elif a.stage == chunks - 1:   # B with W apart: the loss's part freed
+                past_b += 1
+            states.add((tuple(counts), past_b))
+        # held bytes and the loss's are >= 0: a state with as many in flight on every chunk or
+        # more, and as few past B or fewer, holds as much or more; only the others are kept
+        kept = []
+        for c, b in sorted(states, key=lambda x: (-sum(x[0]), x[1])):
+            if not any(all(x >= y for x, y in zip(k, c)) and kb <= b for k, kb in kept):
+                kept.append((c, b))
+        out.append((tuple(mine), tuple(kept)))
+    return out
 
 
 def check(actions: list[list[Action]], stages: int, microbatches: int,

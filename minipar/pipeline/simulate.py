@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from minipar.pipeline.schedules import Action, check, replay
+from minipar.pipeline.schedules import Action, check, derived, replay_times, run_order
 
 
 @dataclass
@@ -49,8 +50,11 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        spans = [t for rank in self.events for _, s, e in rank for t in (s, e)]
-        return max(spans) - min(spans) if spans else 0.0
+        ranks = [rank for rank in self.events if rank]
+        if not ranks:
+            return 0.0
+        return max(e for rank in ranks for _, _, e in rank) - min(s for rank in ranks
+                                                                  for _, s, _ in rank)
 
     @property
     def busy(self) -> list[float]:
@@ -87,9 +91,9 @@ class Timeline:
                 f"peak_in_flight={self.peak_in_flight})")
 
 
-def _cost_fn(cost, chunks: int, split: bool):
+def _cost_table(cost, chunks: int, split: bool) -> dict:
     """cost {"F": t, "B": t, "W": t}, each a number or a list per
-    chunk -> duration(rank, action)."""
+    chunk -> {op: [its time on each chunk]}."""
     for op in cost:
         if op not in ("F", "B", "W"):
             raise ValueError(f"cost keys must be 'F', 'B', 'W', got {op!r}")
@@ -104,7 +108,7 @@ def _cost_fn(cost, chunks: int, split: bool):
         table[op] = t
     if not split:  # B is the whole backward: input gradient and weight gradient together
         table["B"] = [b + w for b, w in zip(table["B"], table["W"])]
-    return lambda rank, a: table[a.op][a.stage]
+    return table
 
 
 def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1,
@@ -119,14 +123,50 @@ def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtua
     its B, which then costs t_B + t_W (a missing key counts 0). checked=True skips `check`, for
     actions that passed it already (`cached_schedule`'s: the planner simulates them many times).
     """
+    return replayed(actions, stages, microbatches, virtual_stages, cost, latency, checked).timeline()
+
+
+class Replay(NamedTuple):
+    """A schedule replayed with costs (`replayed`): each action's start and end, by its position
+    in the replay's order, and each rank's actions with their positions; the Timeline is built
+    when asked (the planner replays thousands and reads their makespan and busy time)."""
+    starts: list
+    ends: list
+    ranks: list   # per rank [(action, its position)]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.ends) - min(self.starts) if self.starts else 0.0
+
+    @property
+    def busy(self) -> list[float]:
+        return [sum(self.ends[i] - self.starts[i] for _, i in mine) for mine in self.ranks]
+
+    def timeline(self) -> Timeline:
+        return Timeline([[(a, self.starts[i], self.ends[i]) for a, i in mine]
+                         for mine in self.ranks])
+
+
+def replayed(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1,
+             cost=None, latency: float = 0.0, checked: bool = False) -> Replay:
+    """`simulate`'s replay, its Timeline not built yet (arguments as simulate's)."""
     if not checked:
         check(actions, stages, microbatches, virtual_stages)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0} if cost is None else cost
-    split = any(a.op == "W" for ops in actions for a in ops)
-    duration = _cost_fn(cost, stages * virtual_stages, split)
-    done, _ = replay(actions, stages, virtual_stages, duration, latency)
-    return Timeline([[(a if type(a) is Action else Action(*a), start, end)   # plain tuples too
-                      for a in ops for _, start, end in (done[a],)] for ops in actions])
+    order, (ranks, split) = derived(_ranks_order, actions, stages * virtual_stages)
+    table = _cost_table(cost, stages * virtual_stages, split)
+    starts, ends = replay_times(order, len(actions), [table[a[0]][a[1]] for _, a, _ in order],
+                                latency)
+    return Replay(starts, ends, ranks)
+
+
+def _ranks_order(actions, chunks: int) -> tuple:
+    """(`run_order` of the schedule, (per rank its actions, as Actions, with their positions in
+    that order; whether the schedule has W actions))."""
+    order, _ = derived(run_order, actions, chunks)
+    at = {a: i for i, (_, a, _) in enumerate(order)}
+    return order, ([[(a if type(a) is Action else Action(*a), at[a]) for a in ops]  # plain tuples
+                    for ops in actions], any(a[0] == "W" for ops in actions for a in ops))
 
 
 def to_chrome_trace(timeline: Timeline, path=None) -> dict:

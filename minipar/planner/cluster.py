@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from minipar.mesh import grid_ranks
 from minipar.planner.devices import CATALOGUE, GiB, preset
 
 
@@ -52,6 +53,13 @@ class Cluster:
                               #   the allocator's fragmentation and cache, NCCL's buffers, cuBLAS's
                               #   workspaces and the CUDA context. The ZeRO paper's Table II
                               #   measured about 80% of the theoretical model size as trainable
+    pod: int = 0              # islands (nodes) a pod holds: full bisection bandwidth among
+                              #   them, `oversubscription` above (0: the cluster is one pod)
+    oversubscription: float = 1.0  # across pods a chip's NIC gets 1/this of its bandwidth: the
+                              #   switches above a pod have that many times fewer links than
+                              #   below (Llama 3's clusters: pods of 3,072 GPUs, 1:7 above)
+    spine_latency: float = 0.0  # s a message crossing pods adds to inter_latency (the switch
+                              #   tiers above a pod; 0 unless given)
     name: str = "custom"
     groups: tuple = ()        # heterogeneous: homogeneous Clusters in rank order (see `mixed`)
     cpu: object = None        # None: GPUs, timed by gpu_time.py. A calibrate.CPU (set by
@@ -90,11 +98,22 @@ class Cluster:
         for name in ("efficiency", "usable"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Cluster.{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if not isinstance(self.pod, int) or isinstance(self.pod, bool) or self.pod < 0:
+            raise ValueError(f"Cluster.pod must be a whole number of nodes (0: one pod), got "
+                             f"{self.pod!r}")
+        if not self.oversubscription >= 1 or not self.spine_latency >= 0:
+            raise ValueError(f"Cluster.oversubscription must be >= 1 and spine_latency >= 0, got "
+                             f"{self.oversubscription!r}, {self.spine_latency!r}")
 
     @classmethod
-    def preset(cls, name: str, nodes: int = 1) -> "Cluster":
-        """`nodes` islands of a catalogue kind (devices.CATALOGUE: an 8-GPU board, a TPU slice)."""
-        return cls(nodes=nodes, **preset(name))
+    def preset(cls, name: str, nodes: int = 1, **network) -> "Cluster":
+        """`nodes` islands of a catalogue kind (devices.CATALOGUE: an 8-GPU board, a TPU slice);
+        network: any of pod, oversubscription, spine_latency (the scale-out network's levels)."""
+        extra = set(network) - {"pod", "oversubscription", "spine_latency"}
+        if extra:
+            raise ValueError(f"Cluster.preset takes pod, oversubscription and spine_latency, not "
+                             f"{sorted(extra)}")
+        return cls(nodes=nodes, **preset(name), **network)
 
     @classmethod
     def mixed(cls, parts) -> "Cluster":
@@ -116,7 +135,9 @@ class Cluster:
             name="+".join(f"{p.nodes}x{p.name}" for p in parts),
             memory_per_gpu=min(p.memory_per_gpu for p in parts),
             inter_bandwidth=min(p.inter_bandwidth for p in parts),
-            inter_latency=max(p.inter_latency for p in parts),
+            inter_latency=max(p.inter_latency for p in parts), pod=0,
+            oversubscription=max(p.oversubscription for p in parts),
+            spine_latency=max(p.spine_latency for p in parts),
             groups=parts if len(parts) > 1 else ())
 
     @property
@@ -149,6 +170,13 @@ class Cluster:
                 if (i := bisect.bisect_left(ranks, start)) < len(ranks) and
                 ranks[i] < start + g.world] + [self] * (ranks[-1] >= self.world)
 
+    @functools.lru_cache(maxsize=4096)
+    def tp_parts(self, dp: int, tp: int, pp: int) -> tuple:
+        """The parts that each TP group of a dp x tp x pp grid (mesh.py) runs on, indexed
+        [dp_rank][pp_rank]; cached: the planner asks for them with every split it times."""
+        return tuple(tuple(tuple(self.parts_of(grid_ranks(dp, tp, pp, r, j))) for r in range(pp))
+                     for j in range(dp))
+
     def island(self, rank: int) -> tuple[int, int]:
         """(part, node within it) of GPU `rank`: its scale-up domain (one node when homogeneous)."""
         if not self.groups or rank >= self.world:  # (past the last part: the cluster's nodes)
@@ -156,15 +184,27 @@ class Cluster:
         i = bisect.bisect_right(self._starts, rank) - 1
         return i, (rank - self._starts[i]) // self.groups[i].gpus_per_node
 
+    def pod_of(self, rank: int) -> tuple[int, int]:
+        """(part, pod within it) of GPU `rank`: its island's pod (`pod` islands each; a mixed
+        cluster's parts are pods of their own, joined above their switches)."""
+        part, node = self.island(rank)
+        size = (self.groups[part] if self.groups and rank < self.world else self).pod
+        return part, node // size if size else 0
+
     def link(self, ranks) -> Link:
-        """The link a collective among `ranks` runs on: the scale-up fabric (NVLink...) within one
-        island, else the NICs. (Islands are contiguous ranges of ranks: the lowest and the highest
-        rank decide.)"""
+        """The link a collective among `ranks` runs on, the slowest level it crosses (a ring's
+        every step waits for its slowest hop): the scale-up fabric (NVLink...) within one island;
+        the NICs within one pod; across pods the NICs' share above it, 1 / oversubscription of
+        their bandwidth, and spine_latency more a message. (Islands and pods are contiguous
+        ranges of ranks: the lowest and the highest rank decide.)"""
         low, high = min(ranks), max(ranks)
         if self.island(low) == self.island(high):
             dev = self.device(low)
             return Link(dev.intra_bandwidth, dev.intra_latency)
-        return Link(self.inter_bandwidth, self.inter_latency)
+        if self.pod_of(low) == self.pod_of(high):
+            return Link(self.inter_bandwidth, self.inter_latency)
+        return Link(self.inter_bandwidth / self.oversubscription,
+                    self.inter_latency + self.spine_latency)
 
     def rate(self, ranks, precision: str) -> float:
         """Matmul FLOP/s of the slowest GPU among `ranks` (fp32 as TF32: half the 16-bit peak)."""

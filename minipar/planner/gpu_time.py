@@ -184,6 +184,7 @@ def layer_cost(cfg, w: Work) -> dict[str, dict[str, float]]:
     return {"F": fwd, "B": bwd, "W": {"compute": w_dense} if w.split else {}}
 
 
+@functools.lru_cache(maxsize=4096)   # (read only, as layer_cost's: chunk_cost adds new dicts)
 def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, float]]:
     """Seconds of the embedding (first stage: its TP all-reduce and lookups) and the head (last
     stage: final LayerNorm, logits (N, V/t, h), loss; the TP all-reduce before it in backward)."""

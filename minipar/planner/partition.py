@@ -25,34 +25,49 @@ def min_max(n_layer: int, layer, emb, head) -> list[int]:
 @functools.lru_cache(maxsize=4096)
 def _min_max(n_layer: int, layer: tuple, emb: tuple, head: tuple) -> tuple:
     """min_max, cached: a plan's layouts that differ only in what does not change a chunk's time
-    (the schedule, ZeRO, the micro-batch count...) split alike."""
-    chunks = len(layer)
-    if not 1 <= chunks <= n_layer:
-        raise ValueError(f"{chunks} chunks cannot split {n_layer} layers (one at least each)")
-    cost = lambda c, a, b: (b - a) * layer[c] + emb[c] * (a == 0) + head[c] * (b == n_layer)
+    (the schedule, ZeRO, the micro-batch count...) split alike.
 
-    @functools.lru_cache(maxsize=None)
-    def best(c: int, a: int) -> tuple[float, tuple]:
-        """(least largest time, sizes) of chunks c.. holding layers [a, n_layer)."""
-        if c == chunks - 1:
-            return cost(c, a, n_layer), (n_layer - a,)
-        options = []
-        for b in range(a + 1, n_layer - (chunks - 1 - c) + 1):  # the chunks after need a layer each
-            rest, sizes = best(c + 1, b)
-            options.append((max(cost(c, a, b), rest), (b - a, *sizes)))
-        return min(options)
-    return best(0, 0)[1]
+    Bottom-up: V[c][a], the least largest time of chunks c.. holding layers [a, n_layer), is the
+    least over b of max(cost(c, a, b), V[c + 1][b]); the first term grows with b and the second
+    does not (fewer layers for as many chunks), so the least is where they cross, found by
+    bisection: O(chunks l log l). Of equal splits it keeps the one whose first chunk is smallest,
+    then the next (the full search's order)."""
+    chunks, n = len(layer), n_layer
+    if not 1 <= chunks <= n:
+        raise ValueError(f"{chunks} chunks cannot split {n} layers (one at least each)")
+    cost = lambda c, a, b: (b - a) * layer[c] + emb[c] * (a == 0) + head[c] * (b == n)
+    value, choice = [None] * chunks, [None] * chunks
+    value[-1] = {a: cost(chunks - 1, a, n) for a in range(chunks - 1, n)}
+    for c in range(chunks - 2, -1, -1):
+        after, value[c], choice[c] = value[c + 1], {}, {}
+        for a in range(c, n - (chunks - c) + 1):
+            lo, hi = a + 1, n - (chunks - 1 - c)   # b in [lo, hi]: the first where cost >= after
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if cost(c, a, mid) >= after[mid] else (mid + 1, hi)
+            best_b, best = lo, max(cost(c, a, lo), after[lo])
+            if lo > a + 1 and after[lo - 1] <= best:  # before the crossing: after[b] alone, and
+                best = after[lo - 1]                  # the first b that reaches it
+                first, last = a + 1, lo - 1
+                while first < last:
+                    mid = (first + last) // 2
+                    first, last = (first, mid) if after[mid] <= best else (mid + 1, last)
+                best_b = first
+            value[c][a], choice[c][a] = best, best_b
+    sizes, a = [], 0
+    for c in range(chunks - 1):
+        sizes.append(choice[c][a] - a)
+        a = choice[c][a]
+    return (*sizes, n - a)
 
 
 def chunk_seconds(cfg, par, cluster, b: int, attention: str) -> tuple[list, list, list]:
     """(layer, emb, head) seconds of each chunk per micro-batch of b sequences on its stage's GPUs
     (`gpu_time.work_on`: the slowest of them), from gpu_time's chunk cost: min_max's inputs."""
-    out = ([], [], [])
-    for c in range(par.pp * par.virtual_stages):
-        w = work_on(cluster, grid_ranks(par.dp, par.tp, par.pp, pp_rank=c % par.pp), par, b,
-                    attention)
-        seconds = [sum(v for op in chunk_cost(cfg, w, n, first, last).values() for v in op.values())
-                   for n, first, last in ((1, False, False), (0, True, False), (0, False, True))]
-        for part, s in zip(out, seconds):
-            part.append(s)
-    return out
+    stages = [work_on(cluster, grid_ranks(par.dp, par.tp, par.pp, pp_rank=r), par, b, attention)
+              for r in range(par.pp)]   # a stage's chunks run on its GPUs
+    seconds = [[sum(v for op in chunk_cost(cfg, w, n, first, last).values() for v in op.values())
+                for w in stages] for n, first, last in ((1, False, False), (0, True, False),
+                                                        (0, False, True))]
+    return tuple([part[c % par.pp] for c in range(par.pp * par.virtual_stages)]
+                 for part in seconds)

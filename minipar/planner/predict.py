@@ -79,7 +79,7 @@ class Estimate:
     model_flops: float = 0.0
     # the slowest replica's pipeline as simulated (no DP or optimizer time), in `time_unit` seconds,
     # shared by layouts of the same proportions (`_simulate`); on a CPU, cpu_time's shared replay
-    simulated: pipeline.Timeline | None = field(default=None, repr=False)
+    simulated: pipeline.Replay | pipeline.Timeline | None = field(default=None, repr=False)
     time_unit: float = 1.0
     attention: str = "flash"           # "flash" (fused SDPA) or "materialized" (Megatron 2022)
     overlap: str = "minipar"           # whose overlaps are timed: gpu_time.OVERLAPS
@@ -88,9 +88,9 @@ class Estimate:
     @functools.cached_property
     def timeline(self) -> pipeline.Timeline:
         """The simulated pipeline in seconds: what the lessons draw, never recomputed."""
-        u = self.time_unit
-        return pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank]
-                                  for rank in self.simulated.events])
+        u, sim = self.time_unit, self.simulated
+        events = sim.timeline().events if isinstance(sim, pipeline.Replay) else sim.events
+        return pipeline.Timeline([[(a, u * s, u * e) for a, s, e in rank] for rank in events])
 
     @property
     def total_memory(self) -> float:
@@ -304,11 +304,11 @@ def _neighbours(n: int) -> list[tuple[int, int]]:  # (from, to), every two of n 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, latency: float):
-    """The Timeline of a schedule; costs are normalised by the caller so that layouts with the same
+    """The Replay of a schedule; costs are normalised by the caller so that layouts with the same
     proportions share one simulation (cached: the caller must not modify it)."""
     cost = {"F": list(F), "B": list(B), "W": list(W)}
     actions = pipeline.cached_schedule(name, p, m, v)
-    return pipeline.simulate(actions, p, m, v, cost=cost, latency=latency, checked=True)
+    return pipeline.replayed(actions, p, m, v, cost=cost, latency=latency, checked=True)
 
 
 def _pipeline_time(par, costs: list[dict], m: int, latency: float):
@@ -331,9 +331,10 @@ def _replica_time(cfg, est: Estimate, j: int) -> tuple:
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
     p, chunks = par.pp, len(est.layers)
     costs, link = [], cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp])
+    stages = [work_on(cluster, grid_ranks(par.dp, par.tp, p, r, j), par, b, est.attention)
+              for r in range(p)]
     for c, n in enumerate(est.layers):
-        w = work_on(cluster, grid_ranks(par.dp, par.tp, p, pp_rank=c % p, dp_rank=j), par, b,
-                    est.attention)
+        w = stages[c % p]
         costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
         latency, own = messages(cfg, par, w, link, est.overlap) if p > 1 else (0.0, 0.0)
         costs[c]["F"]["pp_p2p"] = own * (c > 0)            # with the chunk before
@@ -352,8 +353,7 @@ def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     replicas = {}
     for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
-        key = (m, tuple(tuple(cluster.parts_of(grid_ranks(par.dp, par.tp, p, r, j)))
-                        for r in range(p)))
+        key = (m, cluster.tp_parts(par.dp, par.tp, p)[j])
         if key not in replicas:
             replicas[key] = _replica_time(cfg, est, j)
     span, terms, costs, timeline = max(replicas.values(), key=lambda x: x[0])

@@ -100,25 +100,25 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive integer (sequences a step), got "
                          f"{global_batch!r}")
-    fitting, smallest = [], None
-    for placed, par, b in ((c, par, b) for i, c in enumerate(placements(cluster))
-                           for par, b in candidates(cfg, c, global_batch, micro_batches, schedules,
-                                                    virtual_stages, zero, precision)
-                           if i == 0 or par.pp > 1):
-        for rc in recompute:
-            try:
-                est = split_layout(cfg, par.replace(recompute=rc), placed, global_batch, b,
-                                   attention, overlap, exact=False)
-            except ValueError:
-                break
-            if est.fits:
-                fitting.append(time_layout(cfg, est))
-                break
-            if (
-                smallest is None
-                or est.peak_memory / est.capacity < smallest.peak_memory / smallest.capacity
-            ):
-                smallest = est
+    fitting, smallest, orders = [], None, placements(cluster)
+    # a layout's orders one after the other (their schedule and splits are cached), ranked in the
+    # order order after order (`rank` keeps it among equals)
+    for j, (par, b) in enumerate(candidates(cfg, cluster, global_batch, micro_batches, schedules,
+                                            virtual_stages, zero, precision)):
+        for i, placed in enumerate(orders[:len(orders) if par.pp > 1 else 1]):
+            for rc in recompute:
+                try:
+                    est = split_layout(cfg, par.replace(recompute=rc), placed, global_batch, b,
+                                       attention, overlap, exact=False)
+                except ValueError:
+                    break
+                if est.fits:
+                    fitting.append(((i, j), time_layout(cfg, est)))
+                    break
+                if smallest is None or (est.peak_memory / est.capacity, i, j) < smallest[0]:
+                    smallest = ((est.peak_memory / est.capacity, i, j), est)
+    fitting = [e for _, e in sorted(fitting, key=lambda x: x[0])]
+    smallest = smallest and smallest[1]
     if not fitting:   # the smallest with its step's transients (the search skipped them)
         smallest = smallest and split_layout(cfg, smallest.par, smallest.cluster, global_batch,
                                              smallest.micro_batch, attention, overlap)
