@@ -6,8 +6,8 @@
 The cluster: 48 DGX H100 boards, 40 MI300X boards and 40 Gaudi 3 boards (384 + 320 + 320 = 1,024
 chips), joined by their NICs (Cluster.mixed). The space `plan` searches, and its size printed:
   layouts   every dp x tp x pp of 1,024 with tp inside the islands' common tile (8), pp at most
-            the layers, a micro-batch size dividing the batch, each schedule (interleaved with v = 2, 4), ZeRO
-            0-3 where it applies (search.candidates);
+            the layers, a micro-batch size dividing the batch, each schedule (interleaved with
+            v = 2, 4), ZeRO 0-3 where it applies (search.candidates);
   orders    each layout with a pipeline on every order of the three kinds (3! = 6: which kind runs
             which stages, search.placements), without one once;
   splits    each placed layout's layers per chunk by min-max dynamic programming and its micro-

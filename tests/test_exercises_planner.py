@@ -28,3 +28,26 @@ def one_rank_pays(nbytes, n, link):  # a latency even alone: 1 step minimum
 def test_wrong_costs_are_caught_with_their_cause(all_reduce, gather, message):
     with pytest.raises(AssertionError, match=message):
         exercises_planner.check_collective_costs(all_reduce, gather)
+
+
+def test_the_reference_layer_split_passes():
+    assert "8 cases" in exercises_planner.check_layer_split(solutions.split_layers)
+
+
+def even(n, seconds):  # as if all stages were alike
+    return [n // len(seconds) + (i < n % len(seconds)) for i in range(len(seconds))]
+
+
+def proportional_floor(n, seconds):  # in proportion to speed, rounded down, the rest to the last stage
+    speed = [1 / s for s in seconds]
+    layers = [max(1, int(n * v / sum(speed))) for v in speed]
+    return layers[:-1] + [n - sum(layers[:-1])]
+
+
+@pytest.mark.parametrize("split,message", [
+    (even, r"split_layers\(8, \[1.0, 3.0\]\) = \[4, 4\]: its slowest stage takes 12, \[6, 2\] takes 6"),
+    (proportional_floor, r"its slowest stage takes"),
+    (lambda n, seconds: [n] + [0] * (len(seconds) - 1), "at least one layer")])
+def test_wrong_layer_splits_are_caught_with_their_cause(split, message):
+    with pytest.raises(AssertionError, match=message):
+        exercises_planner.check_layer_split(split)

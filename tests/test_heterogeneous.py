@@ -125,10 +125,11 @@ SPEEDUP_TOL, OF_BOUND, PASSES = 0.15, 0.85, 3
 def test_the_planned_placement_runs_as_fast_as_predicted_on_emulated_kinds():
     """Two device kinds emulated here (calibrate.emulate): "fast" with 52 MiB, "slow" 3x slower (the
     throttle) with ample memory; a 2-stage pipeline of WIDE's 8 layers, 8 micro-batches. The
-    planner places the stages and splits the layers (demos_hetero.placement): the fast kind's memory
-    does not hold 7 of 8 layers as the first stage, so it takes the last stage, where 1F1B keeps
-    one micro-batch in flight, and 6 layers. Measured against the even split in the kinds' own
-    order, in one launch (each layout with its own order of throttles):
+    planner places the stages and splits the layers (demos_hetero.placement): on time alone it
+    would put 7 of the 8 layers on the fast kind, which its memory does not hold (58.5 MiB as the
+    first stage, where 1F1B keeps two micro-batches in flight, 53.2 as the last); within it, 6 on
+    the fast kind and 2 on the slow one. Measured against the even split in the kinds' own order, in one
+    launch (each layout with its own order of throttles):
       - the predicted speed-up within SPEEDUP_TOL of the measured one, and the measured one at least
         OF_BOUND of `bound` (the schedule with compute alone, layers in proportion to speed);
       - every rank's measured memory the planned bytes, to the byte, within its kind's capacity;
@@ -152,7 +153,8 @@ def test_the_planned_placement_runs_as_fast_as_predicted_on_emulated_kinds():
             break
         layer_profile.profile.cache_clear()
     planned, uniform = out["planned"], out["uniform"]
-    assert planned["estimate"].cluster.name == "1xslow+1xfast" and planned["estimate"].layers == (2, 6)
+    on_fast = {planned["estimate"].cluster.device(r).name: n for r, n in enumerate(planned["estimate"].layers)}
+    assert on_fast == {"fast": 6, "slow": 2}   # 7 on the fast kind, first or last, would not fit its 52 MiB
     for e in (planned, uniform):
         cluster = e["estimate"].cluster
         for r, (predicted, res) in enumerate(zip(e["estimate"].stages, e["ranks"])):

@@ -1,8 +1,10 @@
 """Lesson 07's exercise: the planner's cost of a collective, written by the learner and graded
 against `minipar.planner.gpu_time` (whose `all_reduce` and `gather_or_scatter` the planner calls for
-every DP, ZeRO and TP collective it times).
+every DP, ZeRO and TP collective it times). Lesson 09's: the layers of a pipeline split over stages
+of different speeds, graded against `minipar.planner.partition.min_max`.
 
     check_collective_costs(all_reduce, gather_or_scatter)
+    check_layer_split(split_layers)
 
 Each function takes (nbytes, n, link), `link` a `planner.Link(bandwidth bytes/s, latency s a step)`,
 and returns seconds: lesson 00's latency-bandwidth model of a ring. The grader tries them on every
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from minipar.planner import gpu_time
 from minipar.planner.cluster import Link
+from minipar.planner.partition import min_max
 
 # bytes/s one way, s a step: of the order of the A100 presets' NVLink and NIC
 NVLINK, NIC = Link(450e9, 3e-6), Link(25e9, 10e-6)
@@ -58,3 +61,36 @@ def check_collective_costs(all_reduce, gather_or_scatter) -> str:
     return (f"both costs equal the planner's on {len(CASES)} cases each; e.g. 1B parameters' fp32 "
             f"gradients (4 GB) all-reduced by 8 GPUs over NVLink: {ar * 1e3:.1f} ms, over a NIC: "
             f"{gpu_time.all_reduce(4e9, 8, NIC) * 1e3:.0f} ms")
+
+
+# (layers, each stage's seconds a layer): even, one slow stage, three kinds, a stage with one layer,
+# as many stages as layers, and speeds whose best splits tie
+SPLITS = [(8, (1.0, 1.0)), (8, (1.0, 3.0)), (8, (3.0, 1.0)), (7, (1.0, 2.0, 4.0)), (5, (1.0, 9.0)),
+          (4, (2.0, 1.0, 1.0, 3.0)), (12, (1.0, 1.0, 2.0)), (80, (1.0, 1.31, 1.71))]
+
+
+def _slowest(layers, seconds) -> float:
+    return max(n * s for n, s in zip(layers, seconds))
+
+
+def check_layer_split(split_layers) -> str:
+    """Grade split_layers(n_layer, seconds) -> layers per stage (each >= 1, summing to n_layer) that
+    make the slowest stage, its layers times its seconds a layer, as fast as any split can: on
+    every case of SPLITS against min_max (the planner's split, the ends left out). Any optimal
+    split passes (several may tie); a report, or AssertionError saying what is off."""
+    for n, seconds in SPLITS:
+        got, want = split_layers(n, list(seconds)), min_max(n, seconds, [0] * len(seconds),
+                                                             [0] * len(seconds))
+        where = f"split_layers({n}, {list(seconds)}) = {got}"
+        if len(got) != len(seconds) or sum(got) != n or min(got) < 1:
+            raise AssertionError(f"{where}: it must give each of the {len(seconds)} stages at "
+                                 f"least one layer, {n} in all")
+        if _slowest(got, seconds) > _slowest(want, seconds) + 1e-12:
+            raise AssertionError(f"{where}: its slowest stage takes {_slowest(got, seconds):g}, "
+                                 f"{want} takes {_slowest(want, seconds):g}")
+    n, seconds = SPLITS[-1]
+    even = [n // 3 + (i < n % 3) for i in range(3)]
+    return (f"as fast as the planner's split on {len(SPLITS)} cases; e.g. {n} layers on stages "
+            f"{list(seconds)} s a layer: {split_layers(n, list(seconds))}, the slowest stage "
+            f"{_slowest(split_layers(n, list(seconds)), seconds):g} against "
+            f"{_slowest(even, seconds):g} split evenly")

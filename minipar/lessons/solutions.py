@@ -12,6 +12,7 @@ tests and for the lessons' fallback when the exercise is not filled in; read it 
                                         exercises_precision.check_loss_scaler
     ring_all_reduce_cost, ring_gather_cost (nbytes, n, link)   lesson 07's:
                                         exercises_planner.check_collective_costs
+    split_layers(n_layer, seconds)      lesson 09's: exercises_planner.check_layer_split
 """
 from __future__ import annotations
 
@@ -128,3 +129,22 @@ def ring_all_reduce_cost(nbytes: float, n: int, link) -> float:
 def ring_gather_cost(nbytes: float, n: int, link) -> float:
     """Lesson 07: a ring all-gather or reduce-scatter, n-1 steps, (n-1)/n of the bytes a rank."""
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def split_layers(n_layer: int, seconds: list[float]) -> list[int]:
+    """Lesson 09: the least time T that the slowest stage can take is one of the n * seconds[r];
+    try them smallest first, filling each stage with as many layers as fit in T (at least one,
+    leaving one for each stage after it); the first T whose fill takes every layer wins."""
+    k = len(seconds)
+    for bound in sorted({n * s for s in seconds for n in range(1, n_layer + 1)}):
+        layers, left = [], n_layer
+        for r, s in enumerate(seconds):
+            rest = k - 1 - r     # stages after this one, a layer each
+            n = min(int(bound / s + 1e-9), left - rest) if rest else left
+            if n < 1 or n * s > bound + 1e-9:
+                break
+            layers.append(n)
+            left -= n
+        else:
+            return layers
+    raise ValueError(f"{k} stages cannot split {n_layer} layers")

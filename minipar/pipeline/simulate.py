@@ -123,7 +123,8 @@ def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtua
     its B, which then costs t_B + t_W (a missing key counts 0). checked=True skips `check`, for
     actions that passed it already (`cached_schedule`'s: the planner simulates them many times).
     """
-    return replayed(actions, stages, microbatches, virtual_stages, cost, latency, checked).timeline()
+    replay = replayed(actions, stages, microbatches, virtual_stages, cost, latency, checked)
+    return replay.timeline()
 
 
 class Replay(NamedTuple):
