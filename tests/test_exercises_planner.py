@@ -31,7 +31,7 @@ def test_wrong_costs_are_caught_with_their_cause(all_reduce, gather, message):
 
 
 def test_the_reference_layer_split_passes():
-    assert "8 cases" in exercises_planner.check_layer_split(solutions.split_layers)
+    assert "10 cases" in exercises_planner.check_layer_split(solutions.split_layers)
 
 
 def even(n, seconds):  # as if all stages were alike
@@ -44,9 +44,26 @@ def proportional_floor(n, seconds):  # in proportion to speed, rounded down, the
     return layers[:-1] + [n - sum(layers[:-1])]
 
 
+def proportional_rounded(n, seconds):  # in proportion to speed, rounded, the rest to the last stage
+    speed = [1 / s for s in seconds]
+    layers = [max(1, round(n * v / sum(speed))) for v in speed]
+    return layers[:-1] + [n - sum(layers[:-1])]
+
+
+def largest_remainder(n, seconds):  # in proportion to speed, the largest remainders rounded up
+    raw = [n / s / sum(1 / x for x in seconds) for s in seconds]
+    layers = [max(1, int(x)) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: layers[i] - raw[i])[:n - sum(layers)]:
+        layers[i] += 1
+    return layers
+
+
 @pytest.mark.parametrize("split,message", [
     (even, r"split_layers\(8, \[1.0, 3.0\]\) = \[4, 4\]: its slowest stage takes 12, \[6, 2\] takes 6"),
     (proportional_floor, r"its slowest stage takes"),
+    (proportional_rounded, r"split_layers\(9, \[3.0, 4.0, 1.0, 2.0\]\) = \[1, 1, 4, 3\]"),
+    (largest_remainder, r"= \[2, 1, 4, 2\]: its slowest stage takes 6, \[1, 1, 5, 2\] takes 5"),
+    (lambda n, seconds: None, "must return the layers of each stage"),
     (lambda n, seconds: [n] + [0] * (len(seconds) - 1), "at least one layer")])
 def test_wrong_layer_splits_are_caught_with_their_cause(split, message):
     with pytest.raises(AssertionError, match=message):

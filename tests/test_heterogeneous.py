@@ -169,3 +169,13 @@ def test_the_planned_placement_runs_as_fast_as_predicted_on_emulated_kinds():
         if max(b for _, _, b in passes) > 0.25:
             pytest.skip(f"the host was busy (other programs used {max(b for *_, b in passes):.2f} cores)")
     assert near and max(measured) >= OF_BOUND * out["bound"]
+
+
+def test_emulated_kinds_are_checked_before_any_process_starts():
+    machine = calibrate.this_machine(world=2)
+    with pytest.raises(ValueError, match="the kinds have 3 ranks, the machine's calibration 2"):
+        calibrate.emulate(machine, [("a", 1, 1.0, 2**30), ("b", 2, 2.0, 2**30)])
+    with pytest.raises(ValueError, match="slowdowns must be >= 1"):
+        calibrate.emulate(machine, [("a", 1, 1.0, 2**30), ("b", 1, 0.5, 2**30)])
+    with pytest.raises(ValueError, match="does not fit: .* MiB on a rank of 1.0 MiB"):
+        emulated_run(WIDE, ParallelConfig(pp=2), 8, 1, [("fast", 1, 1.0, 2**20), ("slow", 1, 3.0, 2**20)])

@@ -156,3 +156,30 @@ def test_an_oversubscribed_spine_keeps_data_parallel_groups_inside_a_pod():
         assert len({pods.pod_of(x) for x in dp_group}) == 1
     assert estimate(cfg, flat.par, pods, 256, flat.micro_batch).breakdown["dp_comm"] > \
         2 * flat.breakdown["dp_comm"]
+
+
+def test_on_a_full_mesh_a_group_drives_only_the_links_among_its_chips():
+    """An MI300X board is a full mesh of 7 Infinity Fabric links a GPU (a Gaudi 3 board of 3 ports to
+    each peer): a ring among k of its 8 GPUs has k - 1 links a GPU, an NVSwitch board the whole fabric."""
+    mi, h100 = Cluster.preset("mi300x"), Cluster.preset("dgx-h100")
+    assert mi.intra_mesh and not h100.intra_mesh
+    assert mi.link([0, 1]).bandwidth == pytest.approx(mi.intra_bandwidth / 7)
+    assert mi.link(range(4)).bandwidth == pytest.approx(mi.intra_bandwidth * 3 / 7)
+    assert mi.link(range(8)).bandwidth == mi.intra_bandwidth
+    assert h100.link([0, 1]) == h100.link(range(8))
+    cfg = GPTConfig.preset("llama3-8b")   # TP's time, MI300X over H100 (fabrics of 448 and 450 GB/s)
+    ratio = {t: [estimate(cfg, ParallelConfig(dp=8 // t, tp=t, sequence_parallel=True, precision="bf16"), c, 8)
+                 .breakdown["tp_comm"] for c in (mi, h100)] for t in (2, 8)}
+    assert ratio[2][0] > 5 * ratio[2][1] and ratio[8][0] < 1.1 * ratio[8][1]   # 7x the time in pairs, ~1x in eights
+
+
+def test_no_tp_degree_that_would_straddle_two_islands_is_tried():
+    """12 heads allow tp 3 and 6, which divide 24 chips but not an 8-chip island: a group of 3 would
+    hold ranks 6, 7 and 8, two kinds (a reviewer found such groups ranked by the plan)."""
+    mixed = Cluster.mixed([Cluster.preset("dgx-h100"), Cluster.preset("mi300x"), Cluster.preset("gaudi3")])
+    cfg = GPTConfig.preset("gpt2-small")
+    assert {par.tp for par, _ in candidates(cfg, mixed, 24)} == {1, 2, 4}   # 12 heads: 8 does not divide
+    for e in plan(cfg, mixed, 24, micro_batches=(1,), schedules=("1f1b",), zero=(0,))[:20]:
+        for j in range(e.par.dp):
+            for r in range(e.par.pp):
+                assert len({mixed.island(x) for x in grid_ranks(e.par.dp, e.par.tp, e.par.pp, r, j)}) == 1

@@ -18,6 +18,15 @@ many cores as ranks each rank has one thread already.
     from minipar.lessons.demos_hetero import compare
     out = compare(cfg, minipar.ParallelConfig(dp=2), 48, slow_ranks={1: 2.0})
     out["planned"]["par"].dp_shares, out["ratio"]      # (32, 16), about 0.7: planned / uniform step
+
+Device kinds, emulated and predicted (`emulated_run`): calibrate.emulate makes this machine's ranks
+a mixed Cluster of kinds, each `slowdown` times slower (this throttle) with its own memory, and the
+CPU cost model replays the throttle's sleeps, so the planner's placement (`placement`: every order
+of the kinds, the layers split by speed and memory) is predicted and measured against the even split:
+
+    out = emulated_run(cfg, minipar.ParallelConfig(pp=2), 8, 1,
+                       [("fast", 1, 1.0, 52 * 2**20), ("slow", 1, 3.0, 2**30)])
+    out["speedup"], out["measured"], out["bound"]      # predicted, measured, compute alone
 """
 from __future__ import annotations
 
@@ -126,8 +135,8 @@ def placement(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int,
     """The planner's placement of layout `par` on a mixed `cluster` against the vendor-blind one:
     {"planned": the fastest Estimate over the orders of the kinds (search.placements) with their
     layers and micro-batches split by speed (`estimate`), "uniform": par on the cluster in its
-    own order, split evenly (search.vendor_blind), "speedup": predicted, uniform's step over
-    planned's, "bound": uniform's slowest stage over the ideal's (`bound`)}."""
+    own order, split evenly (search.vendor_blind; not timed if it does not fit), "speedup":
+    predicted, uniform's step over planned's, "bound": `bound`'s}."""
     planned = rank([estimate(cfg, par, order, global_batch, micro_batch)
                     for order in placements(cluster)])[0]
     uniform = vendor_blind(planned, cluster)
@@ -175,6 +184,10 @@ def emulated_run(cfg, par: ParallelConfig, global_batch: int, micro_batch: int, 
     cluster = calibrate.emulate(calibrate.this_machine(world=par.world), kinds)
     out = placement(cfg, par, cluster, global_batch, micro_batch)
     ests = [out["uniform"], out["planned"]]
+    for name, e in zip(("the even split", "the plan"), ests):  # each kind held to its memory
+        if not e.fits:
+            raise ValueError(f"{name} of {e.label} does not fit: {e.peak_memory / 2**20:.1f} MiB on "
+                             f"a rank of {e.capacity / 2**20:.1f} MiB (an emulated kind's memory)")
     run = [e.par.replace(stage_layers=tuple(e.layers) if e.par.pp > 1 else None) for e in ests]
     slow = [{r: e.cluster.device(r).cpu.slowdown for r in range(par.world)} for e in ests]
     ranks = launch(race, par.world, cfg, run, steps, global_batch, slow, rounds, timeout=timeout)

@@ -64,9 +64,11 @@ def check_collective_costs(all_reduce, gather_or_scatter) -> str:
 
 
 # (layers, each stage's seconds a layer): even, one slow stage, three kinds, a stage with one layer,
-# as many stages as layers, and speeds whose best splits tie
+# as many stages as layers, speeds whose best splits tie, and two that rounding the proportional
+# split misses (rounded: [1, 1, 4, 3] against [1, 1, 5, 2]; largest remainder: [2, 1, 4, 2])
 SPLITS = [(8, (1.0, 1.0)), (8, (1.0, 3.0)), (8, (3.0, 1.0)), (7, (1.0, 2.0, 4.0)), (5, (1.0, 9.0)),
-          (4, (2.0, 1.0, 1.0, 3.0)), (12, (1.0, 1.0, 2.0)), (80, (1.0, 1.31, 1.71))]
+          (4, (2.0, 1.0, 1.0, 3.0)), (12, (1.0, 1.0, 2.0)), (80, (1.0, 1.31, 1.71)),
+          (9, (3.0, 4.0, 1.0, 2.0)), (16, (1.31, 1.31, 1.0, 4.0))]
 
 
 def _slowest(layers, seconds) -> float:
@@ -82,14 +84,17 @@ def check_layer_split(split_layers) -> str:
         got, want = split_layers(n, list(seconds)), min_max(n, seconds, [0] * len(seconds),
                                                              [0] * len(seconds))
         where = f"split_layers({n}, {list(seconds)}) = {got}"
+        if not isinstance(got, (list, tuple)):
+            raise AssertionError(f"{where}: it must return the layers of each stage, a list")
         if len(got) != len(seconds) or sum(got) != n or min(got) < 1:
             raise AssertionError(f"{where}: it must give each of the {len(seconds)} stages at "
                                  f"least one layer, {n} in all")
         if _slowest(got, seconds) > _slowest(want, seconds) + 1e-12:
             raise AssertionError(f"{where}: its slowest stage takes {_slowest(got, seconds):g}, "
                                  f"{want} takes {_slowest(want, seconds):g}")
-    n, seconds = SPLITS[-1]
-    even = [n // 3 + (i < n % 3) for i in range(3)]
+    n, seconds = max(SPLITS)   # the most layers: 80 on three stages
+    k = len(seconds)
+    even = [n // k + (i < n % k) for i in range(k)]
     return (f"as fast as the planner's split on {len(SPLITS)} cases; e.g. {n} layers on stages "
             f"{list(seconds)} s a layer: {split_layers(n, list(seconds))}, the slowest stage "
             f"{_slowest(split_layers(n, list(seconds)), seconds):g} against "

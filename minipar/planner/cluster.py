@@ -53,6 +53,9 @@ class Cluster:
                               #   the allocator's fragmentation and cache, NCCL's buffers, cuBLAS's
                               #   workspaces and the CUDA context. The ZeRO paper's Table II
                               #   measured about 80% of the theoretical model size as trainable
+    intra_mesh: bool = False  # the island is a full mesh of direct links (MI300X, Gaudi 3): a
+                              #   group of k of its chips gets (k - 1) / (gpus_per_node - 1) of
+                              #   intra_bandwidth, the links among them (`link`)
     pod: int = 0              # islands (nodes) a pod holds: full bisection bandwidth among
                               #   them, `oversubscription` above (0: the cluster is one pod)
     oversubscription: float = 1.0  # across pods a chip's NIC gets 1/this of its bandwidth: the
@@ -126,7 +129,8 @@ class Cluster:
         network's bandwidth would dominate, and no library runs one across vendors. So the mixed
         cluster's gpus_per_node is the largest group that tiles every part's islands, the greatest
         common divisor of their sizes: the TP degrees `plan` tries, and tp-innermost TP groups
-        (mesh.py) never straddle two islands. Capacities and speeds stay per part (`device`)."""
+        (mesh.py) never straddle two islands. Its `nodes` counts those tiles (world / tile), not
+        islands: `island(rank)` names a rank's. Capacities and speeds stay per part (`device`)."""
         parts = tuple(p for part in parts for p in (part.groups or (part,)))
         slowest = min(parts, key=lambda p: p.peak_flops * p.efficiency)
         tile = math.gcd(*(p.gpus_per_node for p in parts))
@@ -193,14 +197,17 @@ class Cluster:
 
     def link(self, ranks) -> Link:
         """The link a collective among `ranks` runs on, the slowest level it crosses (a ring's
-        every step waits for its slowest hop): the scale-up fabric (NVLink...) within one island;
+        every step waits for its slowest hop): the scale-up fabric (NVLink...) within one island,
+        on a full mesh the links among the group's chips only (`intra_mesh`);
         the NICs within one pod; across pods the NICs' share above it, 1 / oversubscription of
         their bandwidth, and spine_latency more a message. (Islands and pods are contiguous
         ranges of ranks: the lowest and the highest rank decide.)"""
         low, high = min(ranks), max(ranks)
         if self.island(low) == self.island(high):
             dev = self.device(low)
-            return Link(dev.intra_bandwidth, dev.intra_latency)
+            share = (len(ranks) - 1) / (dev.gpus_per_node - 1) if dev.intra_mesh and \
+                dev.gpus_per_node > 1 else 1.0
+            return Link(dev.intra_bandwidth * share, dev.intra_latency)
         if self.pod_of(low) == self.pod_of(high):
             return Link(self.inter_bandwidth, self.inter_latency)
         return Link(self.inter_bandwidth / self.oversubscription,

@@ -10,10 +10,11 @@ domain) that `Cluster.preset` turns into a cluster. Every figure's source is in 
                 over the chip's links: vendors often quote both directions, halved here) and the
                 chips it joins (`domain`: an HGX board, a TPU slice, a Trainium2 instance)
     ring        the fraction of `scale_up` that one ring collective inside the domain can drive:
-                1 on a switch (NVSwitch, UB) or a full mesh (Infinity Fabric, Gaudi's RoCE, all
-                peers at once); on a torus a ring along one axis uses 2 of the chip's 4 (2D) or 6
-                (3D) ports. An approximation: XLA's multi-axis collectives use more ports, a
-                2-chip group on a mesh fewer
+                1 on a switch (NVSwitch, UB); on a torus a ring along one axis uses 2 of the chip's
+                4 (2D) or 6 (3D) ports (an approximation: XLA's multi-axis collectives use more)
+    mesh        a full mesh of direct links (Infinity Fabric, Gaudi's RoCE ports): `scale_up` is
+                the sum over the links to every other chip of the domain, and a group of k chips
+                drives only the k - 1 links among them, (k - 1) / (domain - 1) of it (Cluster.link)
     scale_out   the NICs' bytes/s per chip, one direction (the compute fabric only)
     library     the collective library inside the island (NCCL, RCCL, HCCL...): kinds with
                 different libraries share no TP group (`Cluster.mixed`)
@@ -52,6 +53,7 @@ class Device:
     ceiling: float = ASSUMED_CEILING
     units: int = 108
     ring: float = 1.0
+    mesh: bool = False
 
 
 def _nv(chip, peak, hbm, rate, link, domain=8, units=132, ceiling=ASSUMED_CEILING, nic=50 * GB):
@@ -70,10 +72,10 @@ CATALOGUE = {
                        units=148),
     "mi300x": Device("Instinct MI300X", "AMD", 1307.4e12, 192 * GiB, 5.3e12,
                      "Infinity Fabric, full mesh of 7 links", 448 * GB, 8, 50 * GB, "RCCL",
-                     units=304),
+                     units=304, mesh=True),
     "gaudi3": Device("Gaudi 3 (HL-325L)", "Intel", 1835e12, 128 * GiB, 3.67e12,
                      "RoCE, 21 x 200GbE, all-to-all", 525 * GB, 8, 75 * GB, "HCCL (Habana)",
-                     units=32),
+                     units=32, mesh=True),
     "ascend-910b": Device("Ascend 910B2", "Huawei", 354e12, 64 * GiB, 1.6e12, "HCCS", 196 * GB, 8,
                           25 * GB, "HCCL (Huawei)", units=24),
     "cloudmatrix-384": Device("Ascend 910C", "Huawei", 752e12, 128 * GiB, 3.2e12,
@@ -98,4 +100,4 @@ def preset(name: str) -> dict:
     return dict(gpus_per_node=d.domain, memory_per_gpu=d.hbm, peak_flops=d.peak,
                 efficiency=d.ceiling, intra_bandwidth=0.8 * d.scale_up * d.ring,
                 intra_latency=1e-6, inter_bandwidth=d.scale_out, inter_latency=5e-6,
-                memory_bandwidth=d.hbm_rate, sms=d.units, name=name)
+                memory_bandwidth=d.hbm_rate, sms=d.units, intra_mesh=d.mesh, name=name)

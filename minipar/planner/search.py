@@ -66,12 +66,13 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
                schedules=SCHEDULES,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
     """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all
-    of cluster.world, tp <= gpus_per_node, ZeRO > 0 only with dp > 1, ZeRO-3 only without pp (it
+    of cluster.world, tp dividing gpus_per_node (TP groups, innermost in the grid, then never
+    straddle two nodes: on a mixed cluster, two islands), ZeRO > 0 only with dp > 1, ZeRO-3 only without pp (it
     would gather every unit again for each micro-batch), sequence parallel whenever tp > 1 (it only
     saves) and ZeRO < 3; of those, the ones ParallelConfig.check accepts for `cfg` (the widths tp
     must divide, tied embeddings: its rules, said once there)."""
     world = cluster.world
-    for tp in (t for t in _divisors(world) if t <= cluster.gpus_per_node):
+    for tp in (t for t in _divisors(world) if cluster.gpus_per_node % t == 0):
         for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer):
             dp = world // (tp * pp)
             for b in (b for b in micro_batches if global_batch % (dp * b) == 0):
