@@ -22,7 +22,8 @@ many cores as ranks each rank has one thread already.
 Device kinds, emulated and predicted (`emulated_run`): calibrate.emulate makes this machine's ranks
 a mixed Cluster of kinds, each `slowdown` times slower (this throttle) with its own memory, and the
 CPU cost model replays the throttle's sleeps, so the planner's placement (`placement`: every order
-of the kinds, the layers split by speed and memory) is predicted and measured against the even split:
+of the kinds, the layers split by speed and memory) is predicted and measured against the even
+split:
 
     out = emulated_run(cfg, minipar.ParallelConfig(pp=2), 8, 1,
                        [("fast", 1, 1.0, 52 * 2**20), ("slow", 1, 3.0, 2**30)])
@@ -186,8 +187,9 @@ def emulated_run(cfg, par: ParallelConfig, global_batch: int, micro_batch: int, 
     ests = [out["uniform"], out["planned"]]
     for name, e in zip(("the even split", "the plan"), ests):  # each kind held to its memory
         if not e.fits:
-            raise ValueError(f"{name} of {e.label} does not fit: {e.peak_memory / 2**20:.1f} MiB on "
-                             f"a rank of {e.capacity / 2**20:.1f} MiB (an emulated kind's memory)")
+            raise ValueError(f"{name} of {e.label} does not fit: {e.peak_memory / 2**20:.1f} MiB "
+                             f"on a rank of {e.capacity / 2**20:.1f} MiB (an emulated kind's "
+                             "memory)")
     run = [e.par.replace(stage_layers=tuple(e.layers) if e.par.pp > 1 else None) for e in ests]
     slow = [{r: e.cluster.device(r).cpu.slowdown for r in range(par.world)} for e in ests]
     ranks = launch(race, par.world, cfg, run, steps, global_batch, slow, rounds, timeout=timeout)
