@@ -67,10 +67,10 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
     """(ParallelConfig, micro_batch) of every layout `plan` considers, recompute left at "none": all
     of cluster.world, tp dividing gpus_per_node (TP groups, innermost in the grid, then never
-    straddle two nodes: on a mixed cluster, two islands), ZeRO > 0 only with dp > 1, ZeRO-3 only without pp (it
-    would gather every unit again for each micro-batch), sequence parallel whenever tp > 1 (it only
-    saves) and ZeRO < 3; of those, the ones ParallelConfig.check accepts for `cfg` (the widths tp
-    must divide, tied embeddings: its rules, said once there)."""
+    straddle two nodes: on a mixed cluster, two islands), ZeRO > 0 only with dp > 1, ZeRO-3 only
+    without pp (it would gather every unit again for each micro-batch), sequence parallel whenever
+    tp > 1 (it only saves) and ZeRO < 3; of those, the ones ParallelConfig.check accepts for `cfg`
+    (the widths tp must divide, tied embeddings: its rules, said once there)."""
     world = cluster.world
     for tp in (t for t in _divisors(world) if cluster.gpus_per_node % t == 0):
         for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer):
