@@ -292,8 +292,9 @@ def emulate(machine: Cluster, kinds) -> Cluster:
     computes `slowdown` (>= 1) times slower, by the throttle that sleeps after each compute
     (lessons/demos_hetero.throttle), so its peak is the machine's over slowdown and cpu_time
     replays the sleeps; `memory` is its capacity, all of it usable (the check of the planned
-    bytes, not an allocator's). Sleeping frees the core: the emulation holds while the compute of
-    all ranks at once fits the cores (sum of 1 / slowdown at most cores // threads)."""
+    bytes, not an allocator's). Sleeping frees the core, but ranks that compute at the same moment
+    share the cores: the emulated kinds are what they say with one rank a core (more ranks slow
+    each other, which cpu_time's time-sharing replays)."""
     kinds = list(kinds)
     if sum(n for _, n, _, _ in kinds) != machine.world:
         raise ValueError(f"the kinds have {sum(n for _, n, _, _ in kinds)} ranks, the machine's "

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from minipar import memory, pipeline
 from minipar.data_parallel import split
-from minipar.mesh import grid_ranks
 from minipar.pipeline.schedules import inputs
 from minipar.planner.layer_profile import profile
 
@@ -230,9 +229,8 @@ def _pipeline(cfg, est, e: int):
                          f"planner.this_machine(world={par.world})")
     if len(set(est.shares)) != 1:
         raise ValueError("the CPU model covers even DP shares only")
-    slow = [[max(g.cpu.slowdown for g in est.cluster.parts_of(grid_ranks(par.dp, par.tp, par.pp,
-                                                                          r, j)))
-             for r in range(par.pp)] for j in range(par.dp)]
+    slow = [[max(g.cpu.slowdown for g in parts) for parts in replica]
+            for replica in est.cluster.tp_parts(par.dp, par.tp, par.pp)]
     if any(s != slow[0] for s in slow):
         raise ValueError("the CPU model covers replicas of the same emulated kinds only, stage by "
                          f"stage (slowdowns per replica: {slow})")

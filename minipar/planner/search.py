@@ -7,8 +7,8 @@ import itertools
 
 from minipar.config import SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
-from minipar.planner.predict import (TERMS, Estimate, _share_unit, estimate, refine, sized,
-                                     split_layout, time_layout)
+from minipar.planner.predict import (TERMS, Estimate, _proportional, _share_unit, estimate, refine,
+                                     sized, split_layout, time_layout)
 
 
 class NoFeasiblePlan(ValueError):
@@ -202,10 +202,9 @@ def vendor_blind(est: Estimate, cluster: Cluster | None = None) -> Estimate:
     """`est`'s layout split as if every chip were alike, on `cluster` in its own order of kinds
     (est's own by default): the layers and the micro-batches split evenly, timed when it fits."""
     cluster = cluster or est.cluster
-    even = lambda n, k, unit=1: [unit * (n // unit // k + (i < n // unit % k)) for i in range(k)]
     blind = sized(est.cfg, est.par, cluster, est.global_batch, est.micro_batch,
-                  even(est.cfg.n_layer, len(est.layers)),
-                  even(sum(est.shares), len(est.shares), _share_unit(est.par)),
+                  _proportional(est.cfg.n_layer, [1.0] * len(est.layers)),
+                  _proportional(sum(est.shares), [1.0] * len(est.shares), _share_unit(est.par)),
                   est.attention, est.overlap)
     return time_layout(est.cfg, blind) if blind.fits else blind
 
