@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minipar.pipeline.runtime import gather_stages
 from minipar.tensor_parallel import TPGroup
 from minipar.zero import ZeroOptimizer
 from minipar.zero3 import Zero3
@@ -42,6 +41,15 @@ def _sources(model, mp):
     masters = list(mp.master) if mp is not None and mp.master is not None else None
     for i, (name, p) in enumerate(model.named_parameters()):
         yield name, p, masters[i] if masters else p
+
+
+def gather_stages(share, group) -> list:
+    """Every stage's `share` (picklable), in order, on the group's first rank; [] on the others."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [share]
+    first, shares = dist.get_global_rank(group, 0), [None] * dist.get_world_size(group)
+    dist.gather_object(share, shares if dist.get_rank() == first else None, first, group)
+    return shares if dist.get_rank() == first else []
 
 
 def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | None:

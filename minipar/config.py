@@ -72,6 +72,9 @@ class ParallelConfig:
                                      #   them, each >= 1 and divisible by microbatches, summing to
                                      #   global_batch); the gradient average is weighted by them.
                                      #   None: global_batch / dp each
+    stage_tp: tuple | None = None    # the TP degree of each pipeline stage (pp of them): uneven,
+                                     #   e.g. more chips on a slower kind's stages (`tp` is then
+                                     #   their largest); None: tp on every stage
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -116,13 +119,7 @@ class ParallelConfig:
             raise ValueError("ParallelConfig.reduce_fp32=False needs precision 'bf16' or 'fp16' "
                              "(fp32 masters "
                              f"to reduce instead of), got {self.precision!r}")
-        self._check_split("stage_layers", self.pp * self.virtual_stages, "pp * virtual_stages")
-        self._check_split("dp_shares", self.dp, "dp")
-        if self.dp_shares and any(share % self.microbatches for share in self.dp_shares):
-            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must each divide by "
-                             "microbatches "
-                             f"({self.microbatches}): every DP rank cuts its rows into that many "
-                             "micro-batches")
+        self._check_splits()
         if self.zero == 3 and self.pp > 1 and self.schedule == "zb-h1":
             raise ValueError("ParallelConfig.zero=3 does not combine with schedule='zb-h1': its "
                              "deferred weight gradients need weights ZeRO-3 has already freed; use "
@@ -132,8 +129,25 @@ class ParallelConfig:
                              "schedule='interleaved-1f1b', "
                              f"got {self.schedule!r}")
 
+    def _check_splits(self) -> None:
+        """The uneven splits: layers per chunk, rows per DP rank, TP degrees per stage."""
+        self._check_split("stage_layers", self.pp * self.virtual_stages, "pp * virtual_stages")
+        self._check_split("dp_shares", self.dp, "dp")
+        if self.dp_shares and any(share % self.microbatches for share in self.dp_shares):
+            raise ValueError(f"ParallelConfig.dp_shares {self.dp_shares} must each divide by "
+                             "microbatches "
+                             f"({self.microbatches}): every DP rank cuts its rows into that many "
+                             "micro-batches")
+        self._check_split("stage_tp", self.pp, "pp")
+        if self.stage_tp and (len(set(self.stage_tp)) == 1 or self.tp != max(self.stage_tp)
+                              or self.sequence_parallel):
+            raise ValueError(f"ParallelConfig.stage_tp {self.stage_tp} needs degrees that differ "
+                             f"(else give tp), tp = their largest ({max(self.stage_tp)}, got "
+                             f"{self.tp}) and no sequence parallelism (stages of different tp "
+                             "would cut the sequence differently)")
+
     def _check_split(self, name: str, length: int, rule: str) -> None:
-        """stage_layers, dp_shares: None, or a tuple (a list is taken as
+        """stage_layers, dp_shares, stage_tp: None, or a tuple (a list is taken as
         one) of `length` positive integers."""
         value = getattr(self, name)
         if value is None:
@@ -148,14 +162,23 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.{name} must be None or a tuple of positive integers, "
                              f"got {value!r}")
         if len(value) != length:
-            what = "chunk" if name == "stage_layers" else "DP rank"
+            what = {"stage_layers": "chunk", "dp_shares": "DP rank"}.get(name, "stage")
             raise ValueError(f"ParallelConfig.{name} needs one value per {what}: {rule} = {length} "
                              "of them, "
                              f"got {len(value)}")
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * (sum(self.stage_tp) if self.stage_tp else self.tp * self.pp)
+
+    def tp_at(self, pp_rank: int) -> int:
+        """The TP degree of pipeline stage `pp_rank`."""
+        return self.stage_tp[pp_rank] if self.stage_tp else self.tp
+
+    def at_stage(self, pp_rank: int) -> "ParallelConfig":
+        """This layout as one stage sees it: tp its own degree (the sizes of its shards, its TP
+        collectives, its DP groups'), stage_tp dropped; itself when uniform."""
+        return self.replace(tp=self.stage_tp[pp_rank], stage_tp=None) if self.stage_tp else self
 
     @property
     def bucket_bytes(self) -> int | None:
@@ -198,8 +221,9 @@ class ParallelConfig:
             raise ValueError(f"global_batch ({global_batch}) must divide by dp * microbatches "
                              f"({self.dp} * {self.microbatches} = {self.dp * self.microbatches})")
         for name, size in tp_sizes(cfg).items():
-            if size % self.tp:
-                raise ValueError(f"ParallelConfig.tp ({self.tp}) must divide the model's {name} "
+            if size % self.tp or any(size % t for t in self.stage_tp or ()):
+                which = f"stage_tp {self.stage_tp}, each" if self.stage_tp else f"tp ({self.tp})"
+                raise ValueError(f"ParallelConfig.{which} must divide the model's {name} "
                                  f"({size})" + (": minipar splits the key/value heads, it does "
                                                 "not replicate them" if name == "n_kv_head"
                                                 else ""))

@@ -279,6 +279,7 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     gradients in stage 3, autograd's temporaries.
     """
     par.check(cfg, global_batch)
+    par = par.at_stage(pp_rank)  # stage_tp: this stage's own tp
     per = bytes_per_param or layout_bytes(par.precision, par.reduce_fp32)
     layers = chunk_layers(cfg, par)
     units = rank_units(cfg, par.tp, layers, par.pp, pp_rank)
@@ -387,5 +388,6 @@ def loss_bytes(cfg, b: int, t: int, e: int) -> tuple[int, int]:
 
 def predict_ranks(cfg, par, global_batch: int) -> list[dict]:
     """`predict` for every rank of the layout, in rank order (ZeRO's shard: its DP rank's)."""
-    grid = [Mesh(par.dp, par.tp, par.pp, rank=r).coords() for r in range(par.world)]
+    grid = [Mesh(par.dp, par.tp, par.pp, rank=r, stage_tp=par.stage_tp).coords()
+            for r in range(par.world)]
     return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]

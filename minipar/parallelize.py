@@ -57,6 +57,8 @@ class Parallel:
     dp: GradBuckets | None = None     # accumulates and reduces the gradients (apply_dp; ZeRO-1/2's)
     pipe: PipelineExecutor | None = None
     stats: CommStats | None = None            # where clipping counts its all-reduces
+    parts: tuple = ()                 # the groups whose ranks hold different parts of the model
+                                      #   (tp, pp; a replica's with stage_tp): clipping sums there
 
     def sync_and_step(self, max_norm: float = 0.0) -> float | None:
         """After backward: average the gradients over DP, sum SP's partial ones over TP, then step
@@ -69,8 +71,7 @@ class Parallel:
         clipping, no communication for it, None returned. See clip.py."""
         clip = None
         if max_norm != 0:  # the pp and tp ranks hold different parts; ZeRO adds its DP group
-            groups = ([self.tp.group] if self.tp else []) + ([self.pipe.group] if self.pipe else [])
-            clip = ClipGradNorm(max_norm, tuple(groups), self.tp.rank if self.tp else 0, self.stats)
+            clip = ClipGradNorm(max_norm, self.parts, self.tp.rank if self.tp else 0, self.stats)
         sp = self.tp if self.tp and self.tp.sequence_parallel else None
         if isinstance(self.optimizer, (ZeroOptimizer, Zero3)):
             self.optimizer.step(clip=clip, sp=sp)  # ZeRO-1/2 wait for their buckets
@@ -221,7 +222,7 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
     if resumed:
         model.load_state_dict(resumed["model"])
     tp, loss_fn = None, cross_entropy
-    if par.tp > 1:                                                          # 1. tensor parallelism
+    if par.tp_at(mesh.pp_rank) > 1:                                         # 1. tensor parallelism
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives, stats)
         model = apply_tp(model, tp)
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
@@ -253,10 +254,15 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         rows = par.dp_rows(global_batch)[mesh.dp_rank] // par.microbatches
         seq = cfg.seq_len // (par.tp if par.sequence_parallel else 1)
         plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-        pipe = PipelineExecutor(chunks, plan, (rows, seq, cfg.d_model), mesh.pp_group,
-                                loss_fn=loss_fn, stats=stats, after_compute=after_compute)
+        # stages of different tp: messages by Mesh.pipeline_peers, sums over the replica
+        links = dict(group=mesh.replica_group, peers=mesh.pipeline_peers(),
+                     reports=mesh.tp_rank == 0) if par.stage_tp else dict(group=mesh.pp_group)
+        pipe = PipelineExecutor(chunks, plan, (rows, seq, cfg.d_model), loss_fn=loss_fn,
+                                stats=stats, after_compute=after_compute, **links)
     if resumed:
         checkpoint.restore(resumed, model, optimizer, mp, tp)
         if resumed.get("scaler") and mp.scaler:  # another precision's run has none, or ignores it
             mp.scaler.load_state_dict(resumed["scaler"])
-    return Parallel(model, optimizer, mp, loss_fn, tp, dp, pipe, stats)
+    parts = (mesh.replica_group,) if par.stage_tp else \
+        tuple(g for g, on in ((mesh.tp_group, tp), (mesh.pp_group, pipe)) if on)
+    return Parallel(model, optimizer, mp, loss_fn, tp, dp, pipe, stats, parts)

@@ -45,7 +45,7 @@ def forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_
     with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
         scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * weight
         loss_sum, events = run.pipe.step(*batches, loss_scale=scale)
-    return sum_over(loss_sum, mesh.pp_group), events  # the last stage has it, the others 0
+    return sum_over(loss_sum, run.pipe.group), events  # the last stage has it, the others 0
 
 
 def accumulate(run: Parallel, x, y, par, rows, device, meter, after_compute=None,

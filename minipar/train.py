@@ -38,7 +38,7 @@ from minipar.metrics import MetricsLog, ProgressBar, StepClock, check_tensorboar
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
 from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F401 (make_optimizer)
-from minipar.pipeline.runtime import gather_stages
+from minipar.checkpoint import gather_stages
 from minipar.precision import DTYPES
 from minipar.tracker import Tracker
 from minipar.zero3 import Zero3
@@ -259,7 +259,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     par.check(cfg, global_batch)  # train_layouts and torchrun come here without train()'s checks
     device = device or _device()
     data = data if isinstance(data, dataset.Dataset) else dataset.prepare(data)
-    mesh, stats = Mesh.build(par.dp, par.tp, par.pp), comm.CommStats()
+    mesh, stats = Mesh.build(par.dp, par.tp, par.pp, par.stage_tp), comm.CommStats()
     torch.manual_seed(seed)
     # the full model on every rank, then cut: every layout trains the same one
     model = GPT(cfg).to(device)

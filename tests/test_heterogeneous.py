@@ -114,6 +114,56 @@ def test_the_planned_split_beats_the_uniform_one_when_a_rank_is_slow(par, batch,
     assert min(verdicts) <= 0.85 and max(verdicts) < 1.0
 
 
+# ----------------------------------------------------------------------------- stages of different TP degrees
+
+STAGE_TP = [  # odd worlds (3), a 3-stage pipeline, interleaved chunks, DP with ZeRO and uneven splits
+    ParallelConfig(tp=2, pp=2, microbatches=2, stage_tp=(2, 1)),
+    ParallelConfig(tp=2, pp=3, microbatches=3, stage_tp=(1, 2, 1), schedule="zb-h1"),
+    ParallelConfig(tp=2, pp=2, microbatches=2, stage_tp=(1, 2), schedule="interleaved-1f1b",
+                   virtual_stages=2, stage_layers=(1, 1, 1, 1)),
+    ParallelConfig(dp=2, tp=2, pp=2, microbatches=2, stage_tp=(1, 2), zero=1, stage_layers=(3, 1),
+                   dp_shares=(8, 4)),
+]
+CLIPPED = dict(KW, clip=0.05, eval_every=3, eval_batches=1)   # the norm sums every stage's part, once; evaluation's loss
+
+
+@pytest.fixture(scope="module")
+def clipped():
+    return minipar.train(CFG, ParallelConfig(), **CLIPPED)
+
+
+@pytest.mark.parametrize("par", STAGE_TP, ids=[par.label for par in STAGE_TP])
+def test_stages_of_different_tp_equal_the_single_process_run(par, clipped):
+    """A stage's activations are whole on each of its TP ranks: a receiver takes one copy from the
+    sender's TP rank (its own % the sender's tp), so each boundary carries the forward activations
+    to the receiving stage's t ranks and the input gradients back to the sending stage's."""
+    res = minipar.train(CFG, par, **CLIPPED)
+    assert_same_training(res, clipped)
+    assert res.grad_norms == pytest.approx(clipped.grad_norms, rel=1e-5)
+    assert res.val_losses[0][1] == pytest.approx(clipped.val_losses[0][1], rel=1e-6)
+    chunks = par.pp * par.virtual_stages
+    forward = sum(par.tp_at((c + 1) % par.pp) for c in range(chunks - 1))   # copies of a micro-batch
+    backward = sum(par.tp_at(c % par.pp) for c in range(chunks - 1))
+    rows = (STEPS * (forward + backward) + forward) * BATCH                 # + evaluation's forward
+    assert sum(r.get("p2p", 0) for r in res.comm_bytes) == rows * CFG.seq_len * CFG.d_model * 4
+    for predicted, measured in zip(res.predicted_memory, res.peak_memory):  # each stage's own shards
+        extra = measured.pop("optimizer") - predicted.pop("optimizer")
+        assert predicted == measured and 0 <= extra <= 8 * len(res.state_dict)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(tp=2, pp=2, stage_tp=(2,)), "stage_tp needs one value per stage: pp = 2 of them, got 1"),
+    (dict(tp=2, pp=2, stage_tp=(2, 2)), r"stage_tp \(2, 2\) needs degrees that differ \(else give tp\)"),
+    (dict(tp=4, pp=2, stage_tp=(2, 1)), r"tp = their largest \(2, got 4\)"),
+    (dict(tp=2, pp=2, stage_tp=(2, 1), sequence_parallel=True), "and no sequence parallelism"),
+])
+def test_bad_stage_tp_is_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**changes)
+    with pytest.raises(ValueError, match=r"stage_tp \(1, 3\), each must divide the model's n_head \(4\)"):
+        ParallelConfig(tp=3, pp=2, stage_tp=(1, 3)).check(CFG, 8)
+
+
 # ----------------------------------------------------------------------------- emulated device kinds, predicted
 
 WIDE = minipar.GPTConfig.preset("small-cpu", n_layer=8, seq_len=64)  # h 192: most of a step in the layers

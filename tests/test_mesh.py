@@ -50,3 +50,19 @@ def test_groups_on_a_real_world_of_eight():
         for axis in ("dp", "tp", "pp"):
             assert groups[axis] in mesh.axis_groups(axis) and rank in groups[axis]
         assert tp_sum == sum(groups["tp"])
+
+
+def test_stages_of_different_tp_are_blocks_one_after_the_other():
+    mesh = Mesh(dp=2, tp=2, pp=3, stage_tp=(1, 2, 1))      # 2 + 4 + 2 ranks
+    assert mesh.world == 8 and [mesh.coords(r).pp_rank for r in range(8)] == [0, 0, 1, 1, 1, 1, 2, 2]
+    assert all(mesh.global_rank(**vars(mesh.coords(r))) == r for r in range(mesh.world))
+    assert mesh.axis_groups("tp") == [[0], [1], [2, 3], [4, 5], [6], [7]]
+    assert mesh.axis_groups("dp") == [[0, 1], [2, 4], [3, 5], [6, 7]]
+    assert mesh.axis_groups("pp") == [[0, 2, 6], [1, 4, 7], [3], [5]]      # TP rank 1 only on stage 1
+    assert mesh.axis_groups("replica") == [[0, 2, 3, 6], [1, 4, 5, 7]]
+    assert grid_ranks(2, 2, 3, pp_rank=1, stage_tp=(1, 2, 1)) == [2, 3, 4, 5]
+    # (receive from, send to) on each stage: a stage of one TP rank sends its copy to both of stage 1's
+    assert Mesh(2, 2, 3, rank=0, stage_tp=(1, 2, 1)).pipeline_peers() == [(0, [0]), (2, [2, 3]), (6, [6])]
+    assert Mesh(2, 2, 3, rank=3, stage_tp=(1, 2, 1)).pipeline_peers() == [(0, []), (3, [3]), (6, [])]
+    with pytest.raises(ValueError, match=r"stage_tp \(1, 2\) needs pp = 3 degrees"):
+        Mesh(dp=1, tp=2, pp=3, stage_tp=(1, 2))

@@ -17,7 +17,7 @@ from minipar.comm import CommStats
 from minipar.mesh import Mesh
 from minipar.model import GPT, cross_entropy
 from minipar.parallelize import make_optimizer, parallelize
-from minipar.pipeline.runtime import gather_stages
+from minipar.checkpoint import gather_stages
 from minipar.checkpoint import full_state_dict
 from minipar.zero import ZeroOptimizer
 from minipar.zero3 import Zero3

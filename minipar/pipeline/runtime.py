@@ -138,15 +138,6 @@ def free_unused(model: GPT, chunks) -> None:
             setattr(model, name, nn.Identity())
 
 
-def gather_stages(share, group) -> list:
-    """Every stage's `share` (picklable), in order, on the group's first rank; [] on the others."""
-    if group is None or dist.get_world_size(group) == 1:
-        return [share]
-    first, shares = dist.get_global_rank(group, 0), [None] * dist.get_world_size(group)
-    dist.gather_object(share, shares if dist.get_rank() == first else None, first, group)
-    return shares if dist.get_rank() == first else []
-
-
 # ----------------------------------------------------------------------------- the messages
 
 
@@ -180,43 +171,50 @@ class PipelineExecutor:
 
     chunks: {global chunk index: module} for the chunks on this rank; shape: (b, s, h) of the
     activations between chunks; group: the pipeline group (None: the world, or no process group when
-    p = 1). Gradients accumulate into the chunks' .grad (sum of loss_j / m over micro-batches j);
-    the caller steps the optimizer. If the schedule has W actions, B computes only input gradients,
-    see `_weight`. stats: the CommStats that counts the messages sent ("p2p"; None: not counted).
-    after_compute(seconds), if given, is called after each action with what it took (a
-    demonstration's throttle: demos_hetero). `evaluate` runs forward only, without the schedule."""
+    p = 1). Stages of different TP degrees: `peers` says whom this rank receives from and sends to
+    on each pipeline rank (Mesh.pipeline_peers), group is the replica's, and `reports` is False on
+    the ranks whose loss a sum over it must not count (TP ranks other than 0). Gradients accumulate
+    into the chunks' .grad (sum of loss_j / m over micro-batches j); the caller steps the
+    optimizer. With W actions in the schedule, B computes only input gradients (`_weight`).
+    stats: counts the messages sent ("p2p"; None: not counted). after_compute(seconds), if given,
+    is called after each action with what it took (demos_hetero's throttle). `evaluate` runs
+    forward only, without the schedule."""
 
     def __init__(self, chunks: dict, schedule, shape: tuple, group=None, loss_fn=cross_entropy,
-                 stats: comm.CommStats | None = None, after_compute=None):
+                 stats: comm.CommStats | None = None, after_compute=None, peers=None,
+                 reports: bool = True):
         self.p, self.chunks = len(schedule), dict(chunks)
         self.n_chunks = 1 + max(a.stage for rank in schedule for a in rank)
         self.m = 1 + max(a.microbatch for rank in schedule for a in rank)
         self.split = any(a.op == "W" for rank in schedule for a in rank)
         check([[Action(*_key(a)) for a in ops] for ops in schedule], self.p, self.m,
               self.n_chunks // self.p)
-        self.ranks, self.rank = [dist.get_rank() if dist.is_initialized() else 0], 0  # p = 1
-        if self.p > 1:
-            self.ranks = dist.get_process_group_ranks(group) if group is not None else \
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if peers is None:  # one tp: the group's q-th rank is pipeline rank q, both ways
+            ranks = [me] if self.p == 1 else dist.get_process_group_ranks(group) if group else \
                 list(range(dist.get_world_size()))
-            self.rank = self.ranks.index(dist.get_rank())
-        if len(self.ranks) != self.p:
-            raise ValueError(f"the schedule has {self.p} ranks, the pipeline group "
-                             f"{len(self.ranks)}")
+            peers = [(r, [r]) for r in ranks]
+        if len(peers) != self.p:
+            raise ValueError(f"the schedule has {self.p} ranks, the pipeline group {len(peers)}")
+        self.peers, self.reports = peers, reports  # (receive from, send to) on each stage
+        self.rank = next(q for q, (src, _) in enumerate(peers) if src == me)  # my own stage's
         if set(self.chunks) != set(range(self.rank, self.n_chunks, self.p)):
             raise ValueError(f"rank {self.rank} holds chunks {sorted(self.chunks)}, the schedule "
                              f"puts {list(range(self.rank, self.n_chunks, self.p))} there")
         self.actions, self.group, self.shape = list(schedule[self.rank]), group, tuple(shape)
-        self.loss_fn = loss_fn  # (logits, targets) -> mean loss; tensor parallelism passes its own
-        self.stats, self.after_compute = stats, after_compute
+        # loss_fn: (logits, targets) -> mean loss; tensor parallelism passes its own
+        self.loss_fn, self.stats, self.after_compute = loss_fn, stats, after_compute
         params = [p for c in self.chunks.values() for p in c.parameters()]
         self.device = params[0].device
         self.dtype = next(p.dtype for p in params if p.is_floating_point())  # the messages'
-        # this rank's messages, per peer, in the order both ends follow: (key, True if we send it)
-        self.queues = {q: [] for q in range(self.p) if q != self.rank}
+        self.queues = {}  # per global peer, in the order both ends follow: (key, True if we send)
         for key in message_order(schedule, self.n_chunks):
             src, dst = _ends(key, self.p)
-            if src != dst and self.rank in (src, dst):
-                self.queues[dst if src == self.rank else src].append((key, src == self.rank))
+            if src != dst and self.rank == src:
+                for g in peers[dst][1]:
+                    self.queues.setdefault(g, []).append((key, True))
+            elif src != dst and self.rank == dst:
+                self.queues.setdefault(peers[src][0], []).append((key, False))
         # modules holding parameters, deepest first: in split mode W runs their weight gradients
         # one by one (depth: the chunk 0, its children 1...; a tie would hand the chunk theirs)
         depth = {id(m): len(n.split(".")) if n else 0 for c in self.chunks.values() for n,
@@ -238,41 +236,42 @@ class PipelineExecutor:
         self._saved, self._inbox, self._outbox, self._sends = {}, {}, {}, []
         self._posted = {q: 0 for q in self.queues}
 
-    def _peer(self, key) -> tuple[int, int]:
-        """(the pipeline rank on the other side of message `key`, whether it stays on this rank)."""
-        src, dst = _ends(key, self.p)
-        return (dst if src == self.rank else src), src == dst
-
     def _post_until(self, peer: int, key) -> None:
-        """Post this pair's messages in their agreed order, up to and including `key`."""
+        """Post this pair's messages (`peer`: a global rank) in their agreed order, up to and
+        including `key`."""
         queue = self.queues[peer]
         while self._posted[peer] < len(queue):
             k, send = queue[self._posted[peer]]
             assert not send or k in self._outbox, f"message {k} to rank {peer} is due before " \
                 f"{key}, not made yet"
             if send:
-                t = self._outbox.pop(k)
-                work = comm.isend(t, self.ranks[peer], self.group, "p2p", self.stats, calls=1)
+                t, left = self._outbox.pop(k)
+                if left > 1:  # more receivers (a next stage of more TP ranks)
+                    self._outbox[k] = (t, left - 1)
+                work = comm.isend(t, peer, self.group, "p2p", self.stats, calls=1)
                 self._sends.append((work, t))
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self._inbox[k] = (buf, comm.irecv(buf, self.ranks[peer], self.group))
+                self._inbox[k] = (buf, comm.irecv(buf, peer, self.group))
             self._posted[peer] += 1
             if k == key:
                 return
 
     def _send(self, key, tensor: torch.Tensor) -> None:
-        peer, local = self._peer(key)
-        if local:
+        src, dst = _ends(key, self.p)
+        if src == dst:
             self._inbox[key] = (tensor, None)
             return
-        self._outbox[key] = tensor.detach().contiguous()
-        self._post_until(peer, key)
+        receivers = self.peers[dst][1]
+        if receivers:  # none: the next stage has fewer TP ranks, and another sends its copy
+            self._outbox[key] = (tensor.detach().contiguous(), len(receivers))
+        for peer in receivers:
+            self._post_until(peer, key)
 
     def _receive(self, key) -> torch.Tensor:
-        peer, local = self._peer(key)
-        if not local and key not in self._inbox:
-            self._post_until(peer, key)
+        src, dst = _ends(key, self.p)
+        if src != dst and key not in self._inbox:
+            self._post_until(self.peers[src][0], key)
         tensor, work = self._inbox.pop(key)
         comm.wait(work)
         return tensor
@@ -365,7 +364,8 @@ class PipelineExecutor:
         assert not self._saved and not self._inbox and not self._outbox, "a message or " \
             "activation was left over"
         self._sends = []
-        return (self._loss.item() if self.n_chunks - 1 in self.chunks else 0.0), events
+        return (self._loss.item() if self.n_chunks - 1 in self.chunks and self.reports else 0.0), \
+            events
 
     @torch.no_grad()
     def evaluate(self, inputs=None, targets=None) -> float:
@@ -381,14 +381,14 @@ class PipelineExecutor:
                 x = inputs[j]
             elif (c - 1) % self.p != self.rank:  # else x is chunk c-1's output, made here
                 x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                comm.wait(comm.irecv(x, self.ranks[(c - 1) % self.p], self.group))
+                comm.wait(comm.irecv(x, self.peers[(c - 1) % self.p][0], self.group))
             x = self.chunks[c](x)
             if c == self.n_chunks - 1:
-                total += self.loss_fn(x, targets[j]).double() / self.m
+                total += self.loss_fn(x, targets[j]).double() / self.m * self.reports
             elif (c + 1) % self.p != self.rank:
                 x = x.contiguous()  # kept with its send until that is waited
-                sends.append((comm.isend(x, self.ranks[(c + 1) % self.p], self.group, "p2p",
-                                         self.stats, calls=1), x))
+                sends += [(comm.isend(x, peer, self.group, "p2p", self.stats, calls=1), x)
+                          for peer in self.peers[(c + 1) % self.p][1]]
         comm.wait(*(work for work, _ in sends))
         if self.p > 1:
             dist.all_reduce(total, group=self.group)
