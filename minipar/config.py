@@ -7,6 +7,7 @@ the rule, so a notebook user sees what to change instead of a hang in rank 3.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from minipar.pipeline.schedules import validate
@@ -178,7 +179,13 @@ class ParallelConfig:
     def at_stage(self, pp_rank: int) -> "ParallelConfig":
         """This layout as one stage sees it: tp its own degree (the sizes of its shards, its TP
         collectives, its DP groups'), stage_tp dropped; itself when uniform."""
-        return self.replace(tp=self.stage_tp[pp_rank], stage_tp=None) if self.stage_tp else self
+        return self._stages[pp_rank] if self.stage_tp else self
+
+    @functools.cached_property
+    def _stages(self) -> tuple:
+        """at_stage of every stage, made once (the planner asks for them with every split)."""
+        views = {t: self.replace(tp=t, stage_tp=None) for t in set(self.stage_tp)}
+        return tuple(views[t] for t in self.stage_tp)
 
     @property
     def bucket_bytes(self) -> int | None:

@@ -348,8 +348,8 @@ def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: i
 
 
 def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
-                         layers: list[int] | None = None,
-                         actions: tuple | None = None, extra_per_layer: int = 0) -> list[int]:
+                         layers: list[int] | None = None, actions: tuple | None = None,
+                         extra_per_layer: int = 0, ranks=None) -> list[int]:
     """Peak bytes saved for backward on each pipeline rank. One process: `activations`. A pipeline:
     walk each rank's actions in the schedule's order; each F adds its chunk's activations of one
     micro-batch (its layers; the ids and positions on the first chunk, ln_f, the loss and the
@@ -357,7 +357,7 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     splits backward: B keeps the graph for W). The peak is the schedule's memory, in bytes. layers:
     layers per chunk (default `chunk_layers`); actions: the schedule's (default par's,
     `pipeline.cached_schedule`); extra_per_layer: bytes a layer saves besides (the planner's
-    materialised attention matrix)."""
+    materialised attention matrix); ranks: those to size (default all), in their order."""
     parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp,
                         par.sequence_parallel, par.recompute)
     per_layer = parts["layers"] + extra_per_layer
@@ -371,9 +371,10 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     loss = saved - kept  # what B frees when W comes later
     held = [layers[k] * per_layer + (ids + 8 * cfg.seq_len) * (k == 0)
             + (parts["head"] + targets) * (k == chunks - 1) for k in range(chunks)]
+    flight = derived(in_flight, actions, chunks)
     return [max(sum(n * held[k] for k, n in zip(mine, counts)) - past_b * loss
                 for counts, past_b in states)
-            for mine, states in derived(in_flight, actions, chunks)]
+            for mine, states in (flight[r] for r in (range(par.pp) if ranks is None else ranks))]
 
 
 def loss_bytes(cfg, b: int, t: int, e: int) -> tuple[int, int]:

@@ -8,7 +8,8 @@ from minipar.mesh import grid_ranks
 from minipar.model import GPTConfig
 from minipar.config import ParallelConfig
 from minipar.planner import candidates, estimate, explain, plan
-from minipar.planner.search import placements
+from minipar import memory
+from minipar.planner.search import _lower_bound, placements, regrouped
 from minipar.planner.cluster import Cluster, Link
 from minipar.planner.gpu_time import all_reduce
 
@@ -85,8 +86,8 @@ def test_every_catalogue_kind_stays_under_its_peaks(name):
     assert est.fits == (est.peak_memory <= kind.usable * d.hbm)
 
 
-def _kind(name, speed, gib, per_node=2):   # a small island of a made-up kind
-    return dataclasses.replace(Cluster.preset("dgx-h100"), gpus_per_node=per_node,
+def _kind(name, speed, gib, per_node=2, nodes=1):   # small islands of a made-up kind
+    return dataclasses.replace(Cluster.preset("dgx-h100"), gpus_per_node=per_node, nodes=nodes,
                                peak_flops=speed * 1e15, memory_per_gpu=gib * 2 ** 30, name=name)
 
 
@@ -183,3 +184,40 @@ def test_no_tp_degree_that_would_straddle_two_islands_is_tried():
         for j in range(e.par.dp):
             for r in range(e.par.pp):
                 assert len({mixed.island(x) for x in grid_ranks(e.par.dp, e.par.tp, e.par.pp, r, j)}) == 1
+
+
+def test_stages_of_different_tp_are_searched_and_found_by_brute_force():
+    """A fast kind with little memory (16 GiB, 4-chip islands) and twice its chips of a kind 0.3x as
+    fast: the plan's winner gives each kind's stage a TP degree of its own (ParallelConfig.stage_tp,
+    search.regrouped), one stage each instead of a uniform grid's three, and brute force over every
+    order, layout and each one's regroupings, each estimated on its own, finds none faster."""
+    cfg = GPTConfig(n_layer=6, n_head=8, d_model=1024, vocab_size=32000, seq_len=1024)
+    mixed = Cluster.mixed([_kind("a", 1, 16, per_node=4), _kind("b", 0.3, 80, per_node=4, nodes=2)])
+    best = plan(cfg, mixed, 16, micro_batches=(1, 2))[0]
+    every = []
+    for order in placements(mixed):
+        for par, b in candidates(cfg, order, 16, micro_batches=(1, 2)):
+            for rc in ("none", "selective", "full"):
+                e = estimate(cfg, par.replace(recompute=rc), order, 16, b)
+                if e.fits:
+                    every += [e] + [estimate(cfg, g.par.replace(stage_layers=None), g.cluster, 16, b)
+                                    for g in regrouped(cfg, e)]
+                    break
+    assert best.par.stage_tp == (1, 2) and best.label.startswith("dp4 tp(1,2) pp2")
+    assert best.step_time == pytest.approx(min(e.step_time for e in every if e.fits), rel=1e-9)
+    uniform = min(e.step_time for e in every if e.fits and not e.par.stage_tp)
+    assert best.step_time < 0.995 * uniform
+    # the bound that lets plan skip a regrouping holds for every one
+    for e in every:
+        if e.par.stage_tp:
+            assert _lower_bound(cfg, e.par, e.cluster, e.micro_batch, e.attention) <= e.step_time
+
+
+def test_a_stage_of_its_own_tp_holds_what_memory_predict_says():
+    cfg = GPTConfig(n_layer=6, n_head=8, d_model=1024, vocab_size=32000, seq_len=1024)
+    par = ParallelConfig(dp=2, tp=4, pp=3, stage_tp=(1, 4, 2), microbatches=4, precision="bf16")
+    est = estimate(cfg, par, Cluster.preset("dgx-h100", nodes=2), 16, 2)
+    assert est.label.startswith("dp2 tp(1,4,2) pp3") and est.par.world == 14
+    for r in range(3):   # the planner's stage sizing is memory.predict's, stage by stage
+        assert est.stages[r] == memory.predict(cfg, est.par, 16, pp_rank=r)
+    assert est.stages[0]["params"] > 3 * est.stages[1]["params"]   # one TP rank against four

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from minipar import pipeline
 from minipar.config import ParallelConfig
 from minipar.launch import launch
-from minipar.mesh import grid_ranks
+from minipar.mesh import layout_ranks
 from minipar.planner import calibrate, estimate
 from minipar.planner.cluster import Cluster
 from minipar.planner.search import placements, rank, vendor_blind
@@ -149,8 +149,8 @@ def _slowdowns(est) -> list[float]:
     """Each pipeline stage's slowdown: its slowest GPU's, the fastest kind's peak over its own."""
     par, cluster = est.par, est.cluster
     fastest = max(g.peak_flops for g in cluster.groups or (cluster,))
-    return [max(fastest / g.peak_flops for g in cluster.parts_of(
-        grid_ranks(par.dp, par.tp, par.pp, r))) for r in range(par.pp)]
+    return [max(fastest / g.peak_flops for g in cluster.parts_of(layout_ranks(par, r)))
+            for r in range(par.pp)]
 
 
 def bound(uniform) -> float:

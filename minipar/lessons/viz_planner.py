@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from minipar import planner
 from minipar.memory import CATEGORIES
-from minipar.mesh import grid_ranks
+from minipar.mesh import layout_ranks
 from minipar.planner import predict
 from minipar.planner.cluster import memory_unit
 
@@ -127,9 +127,9 @@ def splits(estimates: dict, title: str = "how the work is split") -> Figure:
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(estimates)), sharey=True,
                              layout="constrained")
     for y, (label, e) in enumerate(estimates.items()):
-        dp, tp, p = e.par.dp, e.par.tp, e.par.pp
-        parts = (("layers", e.layers, lambda c: grid_ranks(dp, tp, p, pp_rank=c % p)),
-                 ("micro-batches", e.shares, lambda j: grid_ranks(dp, tp, p, dp_rank=j)))
+        par, p = e.par, e.par.pp
+        parts = (("layers", e.layers, lambda c: layout_ranks(par, pp_rank=c % p)),
+                 ("micro-batches", e.shares, lambda j: layout_ranks(par, dp_rank=j)))
         for ax, (_, counts, ranks_of) in zip(axes, parts):
             left = 0
             for i, n in enumerate(counts):

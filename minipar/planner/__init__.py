@@ -15,7 +15,8 @@ a search.
 """
 from minipar.planner.calibrate import this_machine
 from minipar.planner.cluster import Cluster, GiB, Link
-from minipar.planner.predict import TERMS, Estimate, estimate
+from minipar.planner.gpu_step import TERMS
+from minipar.planner.predict import Estimate, estimate
 from minipar.planner.search import NoFeasiblePlan, candidates, explain, format_table, plan, sweep
 
 __all__ = ["GiB", "TERMS", "Cluster", "Estimate", "Link", "NoFeasiblePlan", "candidates",

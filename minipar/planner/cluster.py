@@ -175,11 +175,11 @@ class Cluster:
                 ranks[i] < start + g.world] + [self] * (ranks[-1] >= self.world)
 
     @functools.lru_cache(maxsize=4096)
-    def tp_parts(self, dp: int, tp: int, pp: int) -> tuple:
-        """The parts that each TP group of a dp x tp x pp grid (mesh.py) runs on, indexed
-        [dp_rank][pp_rank]; cached: the planner asks for them with every split it times."""
-        return tuple(tuple(tuple(self.parts_of(grid_ranks(dp, tp, pp, r, j))) for r in range(pp))
-                     for j in range(dp))
+    def tp_parts(self, dp: int, tp: int, pp: int, stage_tp: tuple | None = None) -> tuple:
+        """The parts that each TP group of a dp x tp x pp grid (mesh.py; stage_tp: each stage's
+        tp) runs on, indexed [dp_rank][pp_rank]; cached: the planner asks with every split."""
+        return tuple(tuple(tuple(self.parts_of(grid_ranks(dp, tp, pp, r, j, stage_tp)))
+                           for r in range(pp)) for j in range(dp))
 
     def island(self, rank: int) -> tuple[int, int]:
         """(part, node within it) of GPU `rank`: its scale-up domain (one node when homogeneous)."""

@@ -230,7 +230,7 @@ def _pipeline(cfg, est, e: int):
     if len(set(est.shares)) != 1:
         raise ValueError("the CPU model covers even DP shares only")
     slow = [[max(g.cpu.slowdown for g in parts) for parts in replica]
-            for replica in est.cluster.tp_parts(par.dp, par.tp, par.pp)]
+            for replica in est.cluster.tp_parts(par.dp, par.tp, par.pp, par.stage_tp)]
     if any(s != slow[0] for s in slow):
         raise ValueError("the CPU model covers replicas of the same emulated kinds only, stage by "
                          f"stage (slowdowns per replica: {slow})")
@@ -266,6 +266,9 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
     shared, in seconds, the DP and optimizer time after it left out (what `viz_pipeline.gantt` draws
     beside a measured one)."""
     par, cpu, p = est.par, est.cluster.cpu, est.par.pp
+    if par.stage_tp:
+        raise ValueError(f"the CPU model times layouts of one tp, not stage_tp {par.stage_tp}: "
+                         "they run here (minipar.train) and are timed on GPU clusters")
     per = memory.layout_bytes(par.precision, par.reduce_fp32)
     e = memory.element_bytes(par.precision)
     prof, actions, chunks, work, wait, latency, slow = _pipeline(cfg, est, e)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 
-from minipar.mesh import grid_ranks
+from minipar.config import ParallelConfig
+from minipar.mesh import layout_ranks
 from minipar.planner.gpu_time import chunk_cost, work_on
 
 
@@ -35,17 +36,24 @@ def _min_max(n_layer: int, layer: tuple, emb: tuple, head: tuple) -> tuple:
     chunks, n = len(layer), n_layer
     if not 1 <= chunks <= n:
         raise ValueError(f"{chunks} chunks cannot split {n} layers (one at least each)")
-    cost = lambda c, a, b: (b - a) * layer[c] + emb[c] * (a == 0) + head[c] * (b == n)
-    value, choice = [None] * chunks, [None] * chunks
-    value[-1] = {a: cost(chunks - 1, a, n) for a in range(chunks - 1, n)}
+    # cost(c, a, b), the time of chunk c holding layers [a, b): (b - a) layer[c], + emb[c] if
+    # a = 0, + head[c] if b = n (inlined below: the loops run 10^7 times in a large search)
+    after = [0.0] * (n + 1)
+    for a in range(chunks - 1, n):
+        after[a] = (n - a) * layer[-1] + emb[-1] * (a == 0) + head[-1]
+    choice = [None] * chunks
     for c in range(chunks - 2, -1, -1):
-        after, value[c], choice[c] = value[c + 1], {}, {}
+        value, choice[c], lc, hc = [0.0] * (n + 1), [0] * (n + 1), layer[c], head[c]
         for a in range(c, n - (chunks - c) + 1):
+            ea = emb[c] * (a == 0)
             lo, hi = a + 1, n - (chunks - 1 - c)   # b in [lo, hi]: the first where cost >= after
             while lo < hi:
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if cost(c, a, mid) >= after[mid] else (mid + 1, hi)
-            best_b, best = lo, max(cost(c, a, lo), after[lo])
+                if (mid - a) * lc + ea + hc * (mid == n) >= after[mid]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            best_b, best = lo, max((lo - a) * lc + ea + hc * (lo == n), after[lo])
             if lo > a + 1 and after[lo - 1] <= best:  # before the crossing: after[b] alone, and
                 best = after[lo - 1]                  # the first b that reaches it
                 first, last = a + 1, lo - 1
@@ -53,7 +61,8 @@ def _min_max(n_layer: int, layer: tuple, emb: tuple, head: tuple) -> tuple:
                     mid = (first + last) // 2
                     first, last = (first, mid) if after[mid] <= best else (mid + 1, last)
                 best_b = first
-            value[c][a], choice[c][a] = best, best_b
+            value[a], choice[c][a] = best, best_b
+        after = value
     sizes, a = [], 0
     for c in range(chunks - 1):
         sizes.append(choice[c][a] - a)
@@ -61,11 +70,24 @@ def _min_max(n_layer: int, layer: tuple, emb: tuple, head: tuple) -> tuple:
     return (*sizes, n - a)
 
 
-def chunk_seconds(cfg, par, cluster, b: int, attention: str) -> tuple[list, list, list]:
+def chunk_seconds(cfg, par, cluster, b: int, attention: str,
+                  dp_rank: int | None = None) -> tuple[list, list, list]:
     """(layer, emb, head) seconds of each chunk per micro-batch of b sequences on its stage's GPUs
-    (`gpu_time.work_on`: the slowest of them), from gpu_time's chunk cost: min_max's inputs."""
-    stages = [work_on(cluster, grid_ranks(par.dp, par.tp, par.pp, pp_rank=r), par, b, attention)
-              for r in range(par.pp)]   # a stage's chunks run on its GPUs
+    (`gpu_time.work_on`: the slowest of them; dp_rank: of that replica's only), from gpu_time's
+    chunk cost: min_max's inputs. What they do not depend on (ZeRO, the micro-batch count, the
+    schedule but for zb-h1's split backward) is left out of the key of the cached computation: a
+    plan asks for every variant."""
+    zb, v = par.schedule == "zb-h1", par.virtual_stages
+    timing = par.replace(zero=0, microbatches=1, stage_layers=None, dp_shares=None,
+                         dp_mode="bucketed", bucket_mb=ParallelConfig.bucket_mb,
+                         schedule="zb-h1" if zb else "interleaved-1f1b" if v > 1 else "1f1b")
+    return _chunk_seconds(cfg, timing, cluster, b, attention, dp_rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_seconds(cfg, par, cluster, b: int, attention: str, dp_rank) -> tuple[list, list, list]:
+    stages = [work_on(cluster, layout_ranks(par, r, dp_rank), par.at_stage(r), b, attention)
+              for r in range(par.pp)]   # a stage's chunks run on its GPUs, at its tp
     seconds = [[sum(v for op in chunk_cost(cfg, w, n, first, last).values() for v in op.values())
                 for w in stages] for n, first, last in ((1, False, False), (0, True, False),
                                                         (0, False, True))]

@@ -31,7 +31,7 @@ the cluster has (the first par.world ranks); `plan` always uses them all. `estim
 `split_layout` (validate, split layers and micro-batches, size the memory) then `time_layout` (the
 step time); `plan` runs the second only on layouts that fit. `time_layout` is the one place that
 chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
-gpu_time.py.
+gpu_step.py (from gpu_time.py's costs).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
@@ -50,16 +50,14 @@ from dataclasses import dataclass, field
 
 from minipar import memory, pipeline
 from minipar.config import ParallelConfig
-from minipar.mesh import grid_ranks
+from minipar.mesh import layout_ranks
 from minipar.planner import cpu_time
 from minipar.planner.cluster import Cluster, flops_unit, memory_unit
-from minipar.planner.gpu_time import (OVERLAPS, WHOSE, chunk_cost, dp_time, messages,
-                                      optimizer_time, work_on)
+from minipar.planner.gpu_step import gpu_step
+from minipar.planner.gpu_time import OVERLAPS, WHOSE
 from minipar.planner.partition import chunk_seconds, min_max
 from minipar.step_memory import stage_peaks
 
-TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
-         "optimizer")
 
 
 @dataclass
@@ -124,7 +122,8 @@ class Estimate:
         p = self.par
         sched = (f" {p.schedule}" + f" v{p.virtual_stages}" * (p.virtual_stages > 1)) * (p.pp > 1)
         on = f" on {self.cluster.name}" if self.cluster.groups and p.pp > 1 else ""  # stage order
-        return (f"dp{p.dp} tp{p.tp} pp{p.pp}{sched} b{self.micro_batch} zero{p.zero}"
+        tp = f"({','.join(map(str, p.stage_tp))})" if p.stage_tp else p.tp  # each stage's
+        return (f"dp{p.dp} tp{tp} pp{p.pp}{sched} b{self.micro_batch} zero{p.zero}"
                 f"{' sp' if p.sequence_parallel else ''} rc={p.recompute}{on}")
 
     def __repr__(self):
@@ -165,18 +164,29 @@ def _validate(cfg, par, cluster, global_batch: int, micro_batch: int) -> Paralle
 
 
 def stage_memory(cfg, par, b: int, layers: list[int], materialized: bool, per: dict, e: int,
-                 actions: tuple) -> list[dict]:
+                 actions: tuple, memo: dict | None = None) -> list[dict]:
     """{category: bytes} of a GPU of each pipeline rank: memory.rank_states of the units it holds
     (memory.rank_units; DP rank 0, the fullest) and the activation peak of its schedule `actions`
-    (memory.pipeline_activations), at `per` bytes a parameter and `e` an activation element."""
-    kept = materialized and par.recompute == "none"  # Korthikanti's attention matrix, 5as^2b/t
-    extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // par.tp if kept else 0   # bytes a layer
-    peaks = memory.pipeline_activations(cfg, par, b, e, list(layers), actions, extra)
-    states = par.replace(recompute="none", microbatches=par.pp, schedule="interleaved-1f1b" if
-                         par.virtual_stages > 1 else "1f1b")  # nor on these: one cache entry
-    return [memory.by_category(_rank_states(cfg, states, tuple(per.items()), r,
-                                            tuple(layers[r::par.pp])), peaks[r])
-            for r in range(par.pp)]
+    (memory.pipeline_activations), at `per` bytes a parameter and `e` an activation element.
+    memo: {(rank, its layers): its bytes} of this layout and schedule, filled here (a split's
+    moves change two ranks' layers: the others are looked up)."""
+    memo = {} if memo is None else memo
+    held = [tuple(layers[r::par.pp]) for r in range(par.pp)]
+    todo = [r for r in range(par.pp) if (r, held[r]) not in memo]
+    if todo:
+        kept = materialized and par.recompute == "none"  # Korthikanti's attention matrix, 5as^2b/t
+        states = par.replace(recompute="none", microbatches=par.pp, schedule="interleaved-1f1b"
+                             if par.virtual_stages > 1 else "1f1b")  # nor on these: one entry
+    # a rank's peak is its own chunks': with stage_tp each stage's at its tp
+    for t in {par.tp_at(r) for r in todo}:
+        mine = [r for r in todo if par.tp_at(r) == t]
+        extra = 5 * cfg.n_head * cfg.seq_len ** 2 * b // t if kept else 0
+        peaks = memory.pipeline_activations(cfg, par.at_stage(mine[0]), b, e, list(layers),
+                                            actions, extra, mine)
+        for r, peak in zip(mine, peaks):
+            memo[r, held[r]] = memory.by_category(_rank_states(
+                cfg, states.at_stage(r), tuple(per.items()), r, held[r]), peak)
+    return [memo[r, held[r]] for r in range(par.pp)]
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -196,7 +206,8 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attenti
     """Validate, split layers and micro-batches, and size the memory: an Estimate with everything
     but the time (`time_layout` adds it; `refine` then searches a mixed cluster's splits). exact=
     False (`plan`'s search) skips the walk of the step's transients where the counted tensors
-    overflow already (no fit either way): most layouts of a big search."""
+    overflow already (no fit either way): most layouts of a big search; and on a mixed cluster it
+    stops moving layers once every stage (of one chunk) overflows."""
     if attention not in ("flash", "materialized"):
         raise ValueError(f"attention must be 'flash' or 'materialized', got {attention!r}")
     if overlap not in OVERLAPS:
@@ -206,20 +217,27 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attenti
                          f"{par.schedule} with ZeRO {par.zero}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
     p, chunks, dp = par.pp, par.pp * par.virtual_stages, par.dp
-    replica = [grid_ranks(dp, par.tp, p, dp_rank=j) for j in range(dp)]
     layers = min_max(cfg.n_layer, *chunk_seconds(cfg, par, cluster, micro_batch, attention)) \
         if cluster.groups else _proportional(cfg.n_layer, [1.0] * chunks)  # as partition() cuts
-    rates = [cluster.rate(ranks, par.precision) for ranks in replica]
+    # each replica's rate: Cluster.rate of its GPUs, from the parts its TP groups run on
+    rates = [min(g.peak_flops * g.efficiency for parts in stages for g in parts) *
+             (0.5 if par.precision == "fp32" else 1.0)
+             for stages in cluster.tp_parts(dp, par.tp, p, par.stage_tp)]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
+    memo = {}
     size = functools.lru_cache(None)(  # the moves below cycle when no split fits: size each once
         lambda layers: sized(cfg, par, cluster, global_batch, micro_batch, list(layers), shares,
-                             attention, overlap, exact))
+                             attention, overlap, exact, memo))
     est = size(tuple(layers))
+    caps = capacities(cluster, par)
     for _ in range(cfg.n_layer if cluster.groups else 0):  # mixed: layers out of full stages
-        free = [c - sum(m.values()) for c, m in zip(capacities(cluster, par), est.stages)]
+        free = [c - sum(m.values()) for c, m in zip(caps, est.stages)]
         worst, best = free.index(min(free)), free.index(max(free))
         donor = next((c for c in range(worst, chunks, p) if layers[c] > 1), None)
-        if free[worst] >= 0 or donor is None or worst == best:
+        # every stage over (one chunk each): a rank's bytes grow with its layers, and any other
+        # split gives some rank as many as now or more, so none fits (the search stops there)
+        hopeless = not exact and par.virtual_stages == 1 and free[best] < 0
+        if free[worst] >= 0 or donor is None or worst == best or hopeless:
             break
         layers[donor] -= 1
         layers[min(range(best, chunks, p), key=lambda c: layers[c])] += 1
@@ -237,19 +255,21 @@ def capacities(cluster, par) -> tuple[float, ...]:
     """What each pipeline stage's counted tensors may fill: the smallest memory_per_gpu of its
     GPUs times their kind's `usable` fraction (the rest is the allocator's, the collectives' and
     the kernels' workspaces, and the CUDA context: Cluster.usable)."""
-    stages = (cluster.parts_of(grid_ranks(par.dp, par.tp, par.pp, r)) for r in range(par.pp))
+    stages = (cluster.parts_of(layout_ranks(par, r)) for r in range(par.pp))
     return tuple(min(g.memory_per_gpu * g.usable for g in parts) for parts in stages)
 
 
 def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares,
-          attention: str = "flash", overlap: str = "minipar", exact: bool = True) -> Estimate:
+          attention: str = "flash", overlap: str = "minipar", exact: bool = True,
+          memo: dict | None = None) -> Estimate:
     """The Estimate, untimed, of `par` (validated: `split_layout`'s) with these layers per chunk and
     micro-batches per replica: memory sized on every stage, the fullest at its peak (relative to
-    its capacity) as `memory`. `time_layout` times any split, e.g. lesson 07's uniform one."""
+    its capacity) as `memory`. `time_layout` times any split, e.g. lesson 07's uniform one.
+    memo: stage_memory's, for the splits of one layout and shares."""
     sizing = (attention == "materialized", memory.layout_bytes(par.precision, par.reduce_fp32),
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, par.pp, max(shares), par.virtual_stages))
-    mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing), \
+    mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing, memo), \
         capacities(cluster, par)
     peaks = _step_peaks(cfg, par, cluster, micro_batch, attention, layers, mem) if exact or all(
         sum(m.values()) <= c for m, c in zip(mem, capacity)) else None   # else no fit anyway
@@ -267,7 +287,7 @@ def _most(tally: dict, peak: dict | None) -> float:
 def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list | None:
     """The step's peak with its transients on each pipeline rank (counted: `mem`), where
     step_memory.stage_peaks predicts it, with fused attention on one GPU kind; else None."""
-    if attention != "flash" or cluster.groups:
+    if attention != "flash" or cluster.groups or par.stage_tp:
         return None
     return stage_peaks(cfg, par, b, layers, mem)
 
@@ -302,82 +322,12 @@ def _neighbours(n: int) -> list[tuple[int, int]]:  # (from, to), every two of n 
     return [(a, a + 1) for a in range(n - 1)] + [(a + 1, a) for a in range(n - 1)]
 
 
-@functools.lru_cache(maxsize=4096)
-def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, latency: float):
-    """The Replay of a schedule; costs are normalised by the caller so that layouts with the same
-    proportions share one simulation (cached: the caller must not modify it)."""
-    cost = {"F": list(F), "B": list(B), "W": list(W)}
-    actions = pipeline.cached_schedule(name, p, m, v)
-    return pipeline.replayed(actions, p, m, v, cost=cost, latency=latency, checked=True)
-
-
-def _pipeline_time(par, costs: list[dict], m: int, latency: float):
-    """(makespan with messages, makespan without, busiest rank, (the Timeline with messages, its
-    time unit in seconds)) of one replica's pipeline."""
-    per_op = {op: [sum(c[op].values()) for c in costs] for op in ("F", "B", "W")}
-    u = max(per_op["F"]) or 1.0
-    norm = {op: tuple(round(x / u, 9) for x in xs) for op, xs in per_op.items()}
-    args = (par.schedule, par.pp, m, par.virtual_stages, norm["F"], norm["B"], norm["W"])
-    free = _simulate(*args, 0.0)
-    with_msgs = _simulate(*args, round(latency / u, 9)) if par.pp > 1 else free
-    busy = free.busy
-    busiest = max(range(par.pp), key=lambda r: busy[r])
-    return u * with_msgs.makespan, u * free.makespan, busiest, (with_msgs, u)
-
-
-def _replica_time(cfg, est: Estimate, j: int) -> tuple:
-    """(seconds of DP replica j's pipeline, its breakdown, each chunk's per-micro-batch costs, its
-    Timeline and its time unit)."""
-    par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
-    p, chunks = par.pp, len(est.layers)
-    costs, link = [], cluster.link(grid_ranks(par.dp, par.tp, p, dp_rank=j)[::par.tp])
-    stages = [work_on(cluster, grid_ranks(par.dp, par.tp, p, r, j), par, b, est.attention)
-              for r in range(p)]
-    for c, n in enumerate(est.layers):
-        w = stages[c % p]
-        costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
-        latency, own = messages(cfg, par, w, link, est.overlap) if p > 1 else (0.0, 0.0)
-        costs[c]["F"]["pp_p2p"] = own * (c > 0)            # with the chunk before
-        costs[c]["B"]["pp_p2p"] = own * (c < chunks - 1)   # with the chunk after
-    with_msgs, free, r, timeline = _pipeline_time(par, costs, m, latency)
-    mine = [costs[c] for c in range(r, chunks, p)]
-    terms = {k: m * sum(c[op].get(k, 0.0) for c in mine for op in c) for k in TERMS}
-    terms.update(bubble=max(0.0, free - sum(terms.values())),
-                 pp_p2p=terms["pp_p2p"] + max(0.0, with_msgs - free))
-    return with_msgs, terms, costs, timeline
-
-
-def gpu_step(cfg, est: Estimate) -> tuple[float, dict, tuple]:
-    """(seconds, breakdown by TERMS, (the slowest replica's Timeline, its time unit)) of `est`."""
-    par, cluster, p = est.par, est.cluster, est.par.pp
-    per = memory.layout_bytes(par.precision, par.reduce_fp32)
-    replicas = {}
-    for j, m in enumerate(est.shares):  # identical replicas (same share, same GPUs) are timed once
-        key = (m, cluster.tp_parts(par.dp, par.tp, p)[j])
-        if key not in replicas:
-            replicas[key] = _replica_time(cfg, est, j)
-    span, terms, costs, timeline = max(replicas.values(), key=lambda x: x[0])
-    chunks, dp, opt = len(est.layers), 0.0, 0.0
-    for r in range(p):
-        mine, units = range(r, chunks, p), memory.rank_units(cfg, par.tp, list(est.layers), p, r)
-        backward = sum(v for c in mine for op in ("B", "W") for k, v in costs[c][op].items()
-                       if k != "pp_p2p")  # what gradient buckets hide under
-        forward = sum(costs[c]["F"].get("compute", 0.0) for c in mine)
-        stage = grid_ranks(par.dp, par.tp, p, pp_rank=r)
-        link = cluster.link(stage[::par.tp])
-        dp = max(dp, dp_time(par, sum(units), per, link, backward, backward + forward,
-                             len(units), forward, est.overlap))
-        hbm = min(g.memory_bandwidth for g in cluster.parts_of(stage))
-        opt = max(opt, optimizer_time(sum(units) / (par.dp if par.zero else 1), per, hbm))
-    return span + dp + opt, {**terms, "dp_comm": dp, "optimizer": opt}, timeline
-
-
 def time_layout(cfg, est: Estimate) -> Estimate:
     """`est` (from `split_layout`) with its step time, breakdown and timeline filled in.
 
     The one place the time model is chosen: a Cluster with a CPU calibration (its `cpu` field, set
     by calibrate.this_machine and cluster_of) is timed by cpu_time.py, from the model's own layer
-    measured on this machine; any other Cluster by the GPU model, gpu_time.py (`gpu_step`)."""
+    measured on this machine; any other Cluster by the GPU model, gpu_step.py (gpu_time's costs)."""
     if est.cluster.cpu is not None:
         est.step_time, est.breakdown, est.simulated = cpu_time.step_time(cfg, est)
     else:

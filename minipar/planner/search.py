@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from minipar.config import SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
-from minipar.planner.predict import (TERMS, Estimate, _proportional, _share_unit, estimate, refine,
-                                     sized, split_layout, time_layout)
+from minipar.planner.gpu_step import TERMS
+from minipar.planner.partition import chunk_seconds, min_max
+from minipar.planner.predict import (Estimate, _proportional, _share_unit, estimate, refine, sized,
+                                     split_layout, time_layout)
 
 
 class NoFeasiblePlan(ValueError):
@@ -107,17 +110,20 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     for j, (par, b) in enumerate(candidates(cfg, cluster, global_batch, micro_batches, schedules,
                                             virtual_stages, zero, precision)):
         for i, placed in enumerate(orders[:len(orders) if par.pp > 1 else 1]):
-            for rc in recompute:
-                try:
-                    est = split_layout(cfg, par.replace(recompute=rc), placed, global_batch, b,
-                                       attention, overlap, exact=False)
-                except ValueError:
-                    break
-                if est.fits:
-                    fitting.append(((i, j), time_layout(cfg, est)))
-                    break
-                if smallest is None or (est.peak_memory / est.capacity, i, j) < smallest[0]:
-                    smallest = ((est.peak_memory / est.capacity, i, j), est)
+            split = lambda rc: split_layout(cfg, par.replace(recompute=rc), placed,  # noqa: E731
+                                            global_batch, b, attention, overlap, exact=False)
+            try:  # the most recomputation first: what does not fit with it fits with none
+                most = split(recompute[-1])
+                for rc in recompute if most.fits else ():
+                    est = most if rc == recompute[-1] else split(rc)
+                    if est.fits:
+                        fitting.append(((i, j), time_layout(cfg, est)))
+                        break
+            except ValueError:
+                continue
+            if not most.fits and (smallest is None or (most.peak_memory / most.capacity, i, j)
+                                  < smallest[0]):
+                smallest = ((most.peak_memory / most.capacity, i, j), most)
     fitting = [e for _, e in sorted(fitting, key=lambda x: x[0])]
     smallest = smallest and smallest[1]
     if not fitting:   # the smallest with its step's transients (the search skipped them)
@@ -126,9 +132,66 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
         raise NoFeasiblePlan(_advice(cfg, cluster, global_batch, smallest, micro_batches, zero,
                                      recompute, precision))
     ranked = rank(fitting)
-    if cluster.groups:  # a mixed cluster's splits: the fastest few searched (`refine`)
+    if cluster.groups:  # mixed: the fastest few regrouped by kind, then their splits searched
+        again = {}
+        for est in ranked:  # the fastest REFINED distinct layouts but for tp, pp and the order
+            key = (est.par.replace(tp=1, pp=1, sequence_parallel=False), est.micro_batch)
+            if len(again) == REFINED:
+                break
+            again.setdefault(key, est)
+        again = {(e.par, e.micro_batch, e.cluster.name): e for est in again.values()
+                 for e in regrouped(cfg, est, recompute, beat=ranked[0].step_time)}
+        ranked = rank(ranked + list(again.values()))
         ranked = rank([refine(cfg, e) for e in ranked[:REFINED]] + ranked[REFINED:])
     return ranked
+
+
+def regrouped(cfg, est: Estimate, recompute=("none", "selective", "full"),
+              beat: float = math.inf) -> list[Estimate]:
+    """`est`'s layout with each kind's stages at a TP degree of its own (ParallelConfig.stage_tp):
+    in every order of the kinds (`placements`), for each kind k a degree t_k dividing its island,
+    with dp * t_k dividing its n_k chips, so that it runs n_k / (dp t_k) stages of dp x t_k chips
+    (a slower kind can take more chips a stage, or the same chips in fewer stages: less bubble);
+    the same dp, micro-batch, schedule and ZeRO, no sequence parallelism (stage_tp has none).
+    Every such choice whose degrees differ, at most kinds! 4^kinds for 8-chip islands, timed (its
+    splits as `split_layout` makes them) with the first of `recompute` from est's with which it
+    fits; but not those whose busiest chunk alone (`_lower_bound`) takes `beat` seconds or more.
+    `plan` regroups its REFINED fastest layouts that differ in more than tp, pp and the order,
+    to beat its fastest."""
+    par, out = est.par, []
+    for cluster, choice in ((c, choice) for c in placements(est.cluster) for choice in
+                            itertools.product(*([(t, part.world // (par.dp * t))
+                                                 for t in _divisors(part.gpus_per_node)
+                                                 if part.world % (par.dp * t) == 0]
+                                                for part in c.groups))):
+        stage_tp = tuple(t for t, stages in choice for _ in range(stages))
+        if len(set(stage_tp)) == 1 or len(stage_tp) * par.virtual_stages > cfg.n_layer:
+            continue
+        for rc in recompute[recompute.index(par.recompute):]:   # each slower than the one before
+            try:
+                new = par.replace(pp=len(stage_tp), tp=max(stage_tp), stage_tp=stage_tp,
+                                  sequence_parallel=False, recompute=rc, stage_layers=None,
+                                  dp_shares=None)
+                if _lower_bound(cfg, new, cluster, est.micro_batch, est.attention) >= beat:
+                    break
+                e = split_layout(cfg, new, cluster, est.global_batch, est.micro_batch,
+                                 est.attention, est.overlap, exact=False)
+            except ValueError:  # the schedule's or the widths' rules
+                break
+            if e.fits:
+                out.append(time_layout(cfg, e))
+                break
+    return out
+
+
+def _lower_bound(cfg, par, cluster, b: int, attention: str) -> float:
+    """Seconds a step of `par` takes at least, its replicas alike (each stage on one kind): the
+    micro-batches through its busiest chunk, the layers split so that it is as short as can be
+    (min_max's optimum), nothing else counted (a part in 10^9 under, for the float sums)."""
+    layer, emb, head = chunk_seconds(cfg, par, cluster, b, attention, dp_rank=0)
+    layers, last = min_max(cfg.n_layer, layer, emb, head), len(layer) - 1
+    return par.microbatches * (1 - 1e-9) * max(n * x + e * (c == 0) + h * (c == last) for c, (
+        n, x, e, h) in enumerate(zip(layers, layer, emb, head)))
 
 
 def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
