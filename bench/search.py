@@ -1,7 +1,7 @@
 """The planner's search on a 1,024-chip cluster of three kinds: its space, its time and its winner.
 
-    python bench/run.py search                          # llama3-70b, global batch 1024
-    python bench/run.py search --micro-batches 1 2 4 8  # the full default space of `plan`
+    python bench/run.py search                     # llama3-70b, global batch 1024: plan's space
+    python bench/run.py search --micro-batches 1   # the space with micro-batch 1 only
 
 The cluster: 48 DGX H100 boards, 40 MI300X boards and 40 Gaudi 3 boards (384 + 320 + 320 = 1,024
 chips), joined by their NICs (Cluster.mixed). The space `plan` searches, and its size printed:
@@ -13,6 +13,9 @@ chips), joined by their NICs (Cluster.mixed). The space `plan` searches, and its
   splits    each placed layout's layers per chunk by min-max dynamic programming and its micro-
             batches per replica by speed (predict.split_layout), recomputation none, selective,
             full, the first that fits;
+  regrouped the REFINED fastest layouts that differ in more than tp, pp and the order, with each
+            kind's stages at a TP degree of its own, in every order (search.regrouped: up to
+            3! x 4^3 each), those that cannot beat the fastest skipped by a bound;
   refined   the REFINED fastest then searched one layer or share at a time (predict.refine).
 Times are wall-clock seconds of one search, in this process, after a warm-up search of a small
 cluster (imports and first calls); the median of --repeats searches.
@@ -36,8 +39,8 @@ def cluster() -> Cluster:
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="llama3-70b", help="a GPTConfig preset")
     parser.add_argument("--batch", type=int, default=1024, help="global batch, sequences")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1],
-                        help="micro-batch sizes searched (plan's default: 1 2 4 8)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="micro-batch sizes searched (plan's default, 1 2 4 8)")
     parser.add_argument("--repeats", type=int, default=1, help="searches timed")
 
 
@@ -53,12 +56,14 @@ def run(args, out_dir) -> str:
         start = time.perf_counter()
         ranked = plan(cfg, mixed, args.batch, micro_batches=mbs)
         times.append(time.perf_counter() - start)
+    regrouped = sum(1 for e in ranked if e.par.stage_tp)
     rows = [("cluster", f"{mixed.name}: {mixed.world} chips"),
             ("model, global batch", f"{args.model}, {args.batch}; micro-batches {list(mbs)}"),
             ("layouts (dp x tp x pp, schedule, v, ZeRO, micro-batch)", f"{len(layouts):,}"),
             ("orders of the kinds per pipelined layout", f"{orders}"),
             ("placed layouts split and sized", f"{placed:,} (x up to 3 recomputations)"),
-            ("fitting, timed and ranked", f"{len(ranked):,}; the {REFINED} fastest refined"),
+            ("fitting, timed and ranked", f"{len(ranked):,}, {regrouped} of them regrouped; the "
+                                          f"{REFINED} fastest refined"),
             ("search time, s", f"{statistics.median(times):.1f}" +
              (f" (median of {len(times)}: {min(times):.1f}-{max(times):.1f})" if len(times) > 1
               else "")),

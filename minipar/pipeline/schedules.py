@@ -226,13 +226,32 @@ def replay_times(order: tuple, ranks: int, times: list, latency: float) -> tuple
     starts, ends, clock = [0.0] * len(order), [0.0] * len(order), [0.0] * ranks
     for i, (r, _, needs) in enumerate(order):
         start = clock[r]
-        for j, same in needs:   # (plain loops: the planner replays 10^5-action schedules)
-            end = ends[j] if same else ends[j] + latency
+        for j in needs:   # (plain loops: the planner replays 10^5-action schedules)
+            end = ends[j] + latency
             if end > start:
                 start = end
         starts[i], ends[i] = start, start + times[i]
         clock[r] = ends[i]
     return starts, ends
+
+
+def replay_times_free(order: tuple, ranks: int, times: list,
+                      latency: float) -> tuple[list, list, float]:
+    """`replay_times` and, in the same walk, the makespan without the latency (the planner wants
+    both: the step, and how much of it the messages add)."""
+    starts, ends, clock = [0.0] * len(order), [0.0] * len(order), [0.0] * ranks
+    free, idle = [0.0] * len(order), [0.0] * ranks
+    for i, (r, _, needs) in enumerate(order):
+        start, start0 = clock[r], idle[r]
+        for j in needs:
+            end = ends[j] + latency
+            if end > start:
+                start = end
+            if free[j] > start0:
+                start0 = free[j]
+        starts[i], ends[i], free[i] = start, start + times[i], start0 + times[i]
+        clock[r], idle[r] = ends[i], free[i]
+    return starts, ends, max(free, default=0.0)
 
 
 def derived(fn, actions, *args):
@@ -249,10 +268,11 @@ def derived(fn, actions, *args):
 
 
 def run_order(actions: tuple, chunks: int) -> tuple[tuple, tuple]:
-    """(an order `replay` can run the actions in, as (rank, action, its inputs as (their position
-    in the order, whether on the same rank)); stuck): each rank in its list's order, each action
-    after its inputs. Which order that is does not depend on the durations, so a schedule's is
-    found once (`derived`)."""
+    """(an order `replay` can run the actions in, as (rank, action, the positions in the order of
+    its inputs from other ranks)); stuck): each rank in its list's order, each action after its
+    inputs. An input on its own rank ran before the rank's previous action ended, so only the
+    others can make it wait. Which order that is does not depend on the durations, so a
+    schedule's is found once (`derived`)."""
     order, done, nxt = [], {}, [0] * len(actions)
     waiting, ready = {}, list(range(len(actions)))   # input -> ranks blocked on it; ranks to run
     while ready:
@@ -265,7 +285,7 @@ def run_order(actions: tuple, chunks: int) -> tuple[tuple, tuple]:
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
-            order.append((r, a, tuple((done[d][0], done[d][1] == r) for d in needs)))
+            order.append((r, a, tuple(done[d][0] for d in needs if done[d][1] != r)))
             done[a] = (len(order) - 1, r)   # its position in the order, its rank
             nxt[r] += 1
             ready += waiting.pop(a, ())

@@ -27,7 +27,8 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from minipar.pipeline.schedules import Action, check, derived, replay_times, run_order
+from minipar.pipeline.schedules import (OPS, Action, check, derived, replay_times,
+                                        replay_times_free, run_order)
 
 
 @dataclass
@@ -149,25 +150,30 @@ class Replay(NamedTuple):
 
 
 def replayed(actions: list[list[Action]], stages: int, microbatches: int, virtual_stages: int = 1,
-             cost=None, latency: float = 0.0, checked: bool = False) -> Replay:
-    """`simulate`'s replay, its Timeline not built yet (arguments as simulate's)."""
+             cost=None, latency: float = 0.0, checked: bool = False, free: bool = False):
+    """`simulate`'s replay, its Timeline not built yet (arguments as simulate's). free=True:
+    (the Replay, the makespan without the latency), from one walk."""
     if not checked:
         check(actions, stages, microbatches, virtual_stages)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0} if cost is None else cost
-    order, (ranks, split) = derived(_ranks_order, actions, stages * virtual_stages)
+    order, (ranks, split), keys = derived(_ranks_order, actions, stages * virtual_stages)
     table = _cost_table(cost, stages * virtual_stages, split)
-    starts, ends = replay_times(order, len(actions), [table[a[0]][a[1]] for _, a, _ in order],
-                                latency)
-    return Replay(starts, ends, ranks)
+    times = list(map((table["F"] + table["B"] + table["W"]).__getitem__, keys))
+    if free:
+        starts, ends, makespan = replay_times_free(order, len(actions), times, latency)
+        return Replay(starts, ends, ranks), makespan
+    return Replay(*replay_times(order, len(actions), times, latency), ranks)
 
 
 def _ranks_order(actions, chunks: int) -> tuple:
     """(`run_order` of the schedule, (per rank its actions, as Actions, with their positions in
-    that order; whether the schedule has W actions))."""
+    that order; whether the schedule has W actions), each action's place in the cost table: op
+    F, B, W times chunks plus its chunk)."""
     order, _ = derived(run_order, actions, chunks)
     at = {a: i for i, (_, a, _) in enumerate(order)}
+    keys = [OPS.index(a[0]) * chunks + a[1] for _, a, _ in order]
     return order, ([[(a if type(a) is Action else Action(*a), at[a]) for a in ops]  # plain tuples
-                    for ops in actions], any(a[0] == "W" for ops in actions for a in ops))
+                    for ops in actions], any(a[0] == "W" for ops in actions for a in ops)), keys
 
 
 def to_chrome_trace(timeline: Timeline, path=None) -> dict:

@@ -17,11 +17,12 @@ TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(name: str, p: int, m: int, v: int, F: tuple, B: tuple, W: tuple, latency: float):
-    """The Replay of a schedule; costs are normalised by the caller so that layouts with the same
-    proportions share one simulation (cached: the caller must not modify it)."""
+    """(the Replay of a schedule with messages of `latency`, its makespan without them); costs are
+    normalised by the caller so that layouts with the same proportions share one simulation
+    (cached: the caller must not modify it)."""
     cost = {"F": list(F), "B": list(B), "W": list(W)}
     actions = pipeline.cached_schedule(name, p, m, v)
-    return pipeline.replayed(actions, p, m, v, cost=cost, latency=latency, checked=True)
+    return pipeline.replayed(actions, p, m, v, cost=cost, latency=latency, checked=True, free=True)
 
 
 def _pipeline_time(par, costs: list[dict], m: int, latency: float):
@@ -31,13 +32,12 @@ def _pipeline_time(par, costs: list[dict], m: int, latency: float):
     u = max(per_op["F"]) or 1.0
     norm = {op: tuple(round(x / u, 9) for x in xs) for op, xs in per_op.items()}
     args = (par.schedule, par.pp, m, par.virtual_stages, norm["F"], norm["B"], norm["W"])
-    free = _simulate(*args, 0.0)
-    with_msgs = _simulate(*args, round(latency / u, 9)) if par.pp > 1 else free
+    with_msgs, free = _simulate(*args, round(latency / u, 9) if par.pp > 1 else 0.0)
     # each rank runs every micro-batch of its chunks: its busy time, without walking the replay
     busy = [sum(norm[op][c] for c in range(r, len(costs), par.pp) for op in norm)
             for r in range(par.pp)]
     busiest = max(range(par.pp), key=lambda r: busy[r])
-    return u * with_msgs.makespan, u * free.makespan, busiest, (with_msgs, u)
+    return u * with_msgs.makespan, u * free, busiest, (with_msgs, u)
 
 
 def _replica_time(cfg, est, j: int) -> tuple:
