@@ -235,25 +235,6 @@ def replay_times(order: tuple, ranks: int, times: list, latency: float) -> tuple
     return starts, ends
 
 
-def replay_times_free(order: tuple, ranks: int, times: list,
-                      latency: float) -> tuple[list, list, float]:
-    """`replay_times` and, in the same walk, the makespan without the latency (the planner wants
-    both: the step, and how much of it the messages add)."""
-    starts, ends, clock = [0.0] * len(order), [0.0] * len(order), [0.0] * ranks
-    free, idle = [0.0] * len(order), [0.0] * ranks
-    for i, (r, _, needs) in enumerate(order):
-        start, start0 = clock[r], idle[r]
-        for j in needs:
-            end = ends[j] + latency
-            if end > start:
-                start = end
-            if free[j] > start0:
-                start0 = free[j]
-        starts[i], ends[i], free[i] = start, start + times[i], start0 + times[i]
-        clock[r], idle[r] = ends[i], free[i]
-    return starts, ends, max(free, default=0.0)
-
-
 def derived(fn, actions, *args):
     """fn(actions, *args), found once for a `cached_schedule` and kept with it (what the planner
     derives from one schedule many times over: an order to replay it in, the activations in

@@ -27,8 +27,7 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from minipar.pipeline.schedules import (OPS, Action, check, derived, replay_times,
-                                        replay_times_free, run_order)
+from minipar.pipeline.schedules import OPS, Action, check, derived, replay_times, run_order
 
 
 @dataclass
@@ -130,11 +129,17 @@ def simulate(actions: list[list[Action]], stages: int, microbatches: int, virtua
 
 class Replay(NamedTuple):
     """A schedule replayed with costs (`replayed`): each action's start and end, by its position
-    in the replay's order, and each rank's actions with their positions; the Timeline is built
-    when asked (the planner replays thousands and reads their makespan and busy time)."""
+    in the replay's order; the schedule's ranks and the Timeline are found when asked (the planner
+    replays thousands and reads their makespan)."""
     starts: list
     ends: list
-    ranks: list   # per rank [(action, its position)]
+    actions: tuple   # the schedule replayed
+    chunks: int
+
+    @property
+    def ranks(self) -> list:
+        """Per rank [(action, its position in the replay's order)]."""
+        return derived(_positions, self.actions, self.chunks)
 
     @property
     def makespan(self) -> float:
@@ -156,24 +161,48 @@ def replayed(actions: list[list[Action]], stages: int, microbatches: int, virtua
     if not checked:
         check(actions, stages, microbatches, virtual_stages)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0} if cost is None else cost
-    order, (ranks, split), keys = derived(_ranks_order, actions, stages * virtual_stages)
-    table = _cost_table(cost, stages * virtual_stages, split)
+    chunks = stages * virtual_stages
+    order, split, keys = derived(_keyed_order, actions, chunks)
+    table = _cost_table(cost, chunks, split)
     times = list(map((table["F"] + table["B"] + table["W"]).__getitem__, keys))
     if free:
         starts, ends, makespan = replay_times_free(order, len(actions), times, latency)
-        return Replay(starts, ends, ranks), makespan
-    return Replay(*replay_times(order, len(actions), times, latency), ranks)
+        return Replay(starts, ends, actions, chunks), makespan
+    return Replay(*replay_times(order, len(actions), times, latency), actions, chunks)
 
 
-def _ranks_order(actions, chunks: int) -> tuple:
-    """(`run_order` of the schedule, (per rank its actions, as Actions, with their positions in
-    that order; whether the schedule has W actions), each action's place in the cost table: op
-    F, B, W times chunks plus its chunk)."""
+def replay_times_free(order: tuple, ranks: int, times: list,
+                      latency: float) -> tuple[list, list, float]:
+    """schedules.replay_times and, in the same walk, the makespan without the latency (the planner
+    wants both: the step, and how much of it the messages add)."""
+    starts, ends, clock = [0.0] * len(order), [0.0] * len(order), [0.0] * ranks
+    free, idle = [0.0] * len(order), [0.0] * ranks
+    for i, (r, _, needs) in enumerate(order):
+        start, start0 = clock[r], idle[r]
+        for j in needs:
+            end = ends[j] + latency
+            if end > start:
+                start = end
+            if free[j] > start0:
+                start0 = free[j]
+        starts[i], ends[i], free[i] = start, start + times[i], start0 + times[i]
+        clock[r], idle[r] = ends[i], free[i]
+    return starts, ends, max(free, default=0.0)
+
+
+def _keyed_order(actions, chunks: int) -> tuple:
+    """(`run_order` of the schedule, whether it has W actions, each action's place in the cost
+    table in that order: op F, B, W times chunks plus its chunk)."""
     order, _ = derived(run_order, actions, chunks)
-    at = {a: i for i, (_, a, _) in enumerate(order)}
-    keys = [OPS.index(a[0]) * chunks + a[1] for _, a, _ in order]
-    return order, ([[(a if type(a) is Action else Action(*a), at[a]) for a in ops]  # plain tuples
-                    for ops in actions], any(a[0] == "W" for ops in actions for a in ops)), keys
+    return (order, any(a[0] == "W" for ops in actions for a in ops),
+            [OPS.index(a[0]) * chunks + a[1] for _, a, _ in order])
+
+
+def _positions(actions, chunks: int) -> list:
+    """Per rank its actions, as Actions, with their positions in `run_order`'s order."""
+    at = {a: i for i, (_, a, _) in enumerate(derived(run_order, actions, chunks)[0])}
+    return [[(a if type(a) is Action else Action(*a), at[a]) for a in ops]  # plain tuples too
+            for ops in actions]
 
 
 def to_chrome_trace(timeline: Timeline, path=None) -> dict:
