@@ -567,3 +567,11 @@ def test_the_search_skips_no_transient_of_a_layout_that_fits():
     skipped = split_layout(cfg, par, cluster, 16, 2, exact=False)
     assert skipped.peak is None and not skipped.fits and sum(skipped.memory.values()) > skipped.capacity
     assert split_layout(cfg, par, cluster, 16, 2).peak is not None
+
+
+def test_recomputation_is_tried_most_first_and_named_before_any_search():
+    tiny, board = GPTConfig.preset("tiny"), Cluster.preset("dgx-h100")
+    with pytest.raises(ValueError, match=r"recompute must be some of \('none', 'selective', 'full'\)"):
+        plan(tiny, board, 8, recompute=("some",))
+    assert plan(tiny, board, 8, recompute=("full", "none"))[0].par.recompute == "full"  # the first that fits
+    assert plan(tiny, board, 8)[0].par.recompute == "none"

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import math
 
-from minipar.config import SCHEDULES, ParallelConfig
+from minipar.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
 from minipar.planner.gpu_step import TERMS
 from minipar.planner.partition import chunk_seconds, min_max
@@ -104,7 +104,10 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive integer (sequences a step), got "
                          f"{global_batch!r}")
+    if not recompute or set(recompute) - set(RECOMPUTE):
+        raise ValueError(f"recompute must be some of {RECOMPUTE}, got {recompute!r}")
     fitting, smallest, orders = [], None, placements(cluster)
+    deepest = max(recompute, key=RECOMPUTE.index)   # the most recomputation allowed
     # a layout's orders one after the other (their schedule and splits are cached), ranked in the
     # order order after order (`rank` keeps it among equals)
     for j, (par, b) in enumerate(candidates(cfg, cluster, global_batch, micro_batches, schedules,
@@ -113,9 +116,9 @@ def plan(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8), s
             split = lambda rc: split_layout(cfg, par.replace(recompute=rc), placed,  # noqa: E731
                                             global_batch, b, attention, overlap, exact=False)
             try:  # the most recomputation first: what does not fit with it fits with none
-                most = split(recompute[-1])
+                most = split(deepest)
                 for rc in recompute if most.fits else ():
-                    est = most if rc == recompute[-1] else split(rc)
+                    est = most if rc == deepest else split(rc)
                     if est.fits:
                         fitting.append(((i, j), time_layout(cfg, est)))
                         break
