@@ -114,9 +114,9 @@ class Mesh:
         """For each pipeline rank q: (the global rank of q's stage this rank receives from, those
         it sends to), in its own DP replica. A stage's activations, and the gradients of its
         input, are whole and alike on its TP ranks (no sequence parallelism), so a receiver needs
-        one copy: TP rank r takes it from the sender's TP rank r % t_sender; a sender then has
-        t_receiver / t_sender receivers, or none when its stage has more TP ranks. With one tp:
-        the same (dp_rank, tp_rank) on q, both ways."""
+        one copy: TP rank r takes it from the sender's TP rank r % t_sender; a sender then has up
+        to ceil(t_receiver / t_sender) receivers, or none when its stage has more TP ranks. On its
+        own stage a rank is its own peer. With one tp: the same (dp_rank, tp_rank) on q."""
         me = self.coords()
         return [(self.global_rank(me.dp_rank, me.tp_rank % self.tp_at(q), q),
                  [self.global_rank(me.dp_rank, r, q) for r in range(self.tp_at(q))

@@ -48,10 +48,12 @@ def _replica_time(cfg, est, j: int) -> tuple:
     costs, link = [], cluster.link([layout_ranks(par, r, j)[0] for r in range(p)])
     stages = [work_on(cluster, layout_ranks(par, r, j), par.at_stage(r), b, est.attention)
               for r in range(p)]
-    # stage_tp: a sender sends a copy to each of t_receiver / t_sender ranks, one after the other
-    # (timed at the most of any boundary); a receiver of fewer TP ranks waits for one
-    fan = max((par.tp_at((r + d) % p) // par.tp_at(r) for r in range(p) for d in (1, -1)),
-              default=1) if par.stage_tp else 1
+    # stage_tp: a sender sends a copy to each of up to ceil(t_receiver / t_sender) ranks, one
+    # after the other (timed at the most of any boundary, both ways; the last stage and the first
+    # meet only with interleaved chunks); a receiver of fewer TP ranks waits for one
+    bounds = [(r, r + 1) for r in range(p - 1)] + [(p - 1, 0)] * (par.virtual_stages > 1)
+    fan = max(-(-par.tp_at(y) // par.tp_at(x)) for a, b in bounds for x, y in ((a, b), (b, a))) \
+        if par.stage_tp else 1
     for c, n in enumerate(est.layers):
         w = stages[c % p]
         costs.append(chunk_cost(cfg, w, n, c == 0, c == chunks - 1))
