@@ -145,10 +145,6 @@ class Replay(NamedTuple):
     def makespan(self) -> float:
         return max(self.ends) - min(self.starts) if self.starts else 0.0
 
-    @property
-    def busy(self) -> list[float]:
-        return [sum(self.ends[i] - self.starts[i] for _, i in mine) for mine in self.ranks]
-
     def timeline(self) -> Timeline:
         return Timeline([[(a, self.starts[i], self.ends[i]) for a, i in mine]
                          for mine in self.ranks])

@@ -215,5 +215,9 @@ class Cluster:
 
     def rate(self, ranks, precision: str) -> float:
         """Matmul FLOP/s of the slowest GPU among `ranks` (fp32 as TF32: half the 16-bit peak)."""
-        return min(g.peak_flops * g.efficiency for g in self.parts_of(ranks)) * \
-            (0.5 if precision == "fp32" else 1.0)
+        return rate_of(self.parts_of(ranks), precision)
+
+
+def rate_of(parts, precision: str) -> float:
+    """Matmul FLOP/s of the slowest of these parts' GPUs (Cluster.rate, from parts known)."""
+    return min(g.peak_flops * g.efficiency for g in parts) * (0.5 if precision == "fp32" else 1.0)

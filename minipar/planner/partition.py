@@ -70,6 +70,13 @@ def _min_max(n_layer: int, layer: tuple, emb: tuple, head: tuple) -> tuple:
     return (*sizes, n - a)
 
 
+def slowest_chunk(n_layer: int, layer, emb, head) -> float:
+    """The largest chunk time of min_max's split: the least it can be over all splits."""
+    layers, last = min_max(n_layer, layer, emb, head), len(layer) - 1
+    return max(n * x + e * (c == 0) + h * (c == last)
+               for c, (n, x, e, h) in enumerate(zip(layers, layer, emb, head)))
+
+
 def chunk_seconds(cfg, par, cluster, b: int, attention: str,
                   dp_rank: int | None = None) -> tuple[list, list, list]:
     """(layer, emb, head) seconds of each chunk per micro-batch of b sequences on its stage's GPUs

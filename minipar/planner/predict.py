@@ -52,7 +52,7 @@ from minipar import memory, pipeline
 from minipar.config import ParallelConfig
 from minipar.mesh import layout_ranks
 from minipar.planner import cpu_time
-from minipar.planner.cluster import Cluster, flops_unit, memory_unit
+from minipar.planner.cluster import Cluster, flops_unit, memory_unit, rate_of
 from minipar.planner.gpu_step import gpu_step
 from minipar.planner.gpu_time import OVERLAPS, WHOSE
 from minipar.planner.partition import chunk_seconds, min_max
@@ -220,8 +220,7 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attenti
     layers = min_max(cfg.n_layer, *chunk_seconds(cfg, par, cluster, micro_batch, attention)) \
         if cluster.groups else _proportional(cfg.n_layer, [1.0] * chunks)  # as partition() cuts
     # each replica's rate: Cluster.rate of its GPUs, from the parts its TP groups run on
-    rates = [min(g.peak_flops * g.efficiency for parts in stages for g in parts) *
-             (0.5 if par.precision == "fp32" else 1.0)
+    rates = [rate_of([g for parts in stages for g in parts], par.precision)
              for stages in cluster.tp_parts(dp, par.tp, p, par.stage_tp)]
     shares = _proportional(dp * par.microbatches, rates, _share_unit(par))
     memo = {}

@@ -9,7 +9,7 @@ import math
 from minipar.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.planner.cluster import Cluster, GiB, flops_unit, memory_unit
 from minipar.planner.gpu_step import TERMS
-from minipar.planner.partition import chunk_seconds, min_max
+from minipar.planner.partition import chunk_seconds, slowest_chunk
 from minipar.planner.predict import (Estimate, _proportional, _share_unit, estimate, refine, sized,
                                      split_layout, time_layout)
 
@@ -191,10 +191,8 @@ def _lower_bound(cfg, par, cluster, b: int, attention: str) -> float:
     """Seconds a step of `par` takes at least, its replicas alike (each stage on one kind): the
     micro-batches through its busiest chunk, the layers split so that it is as short as can be
     (min_max's optimum), nothing else counted (a part in 10^9 under, for the float sums)."""
-    layer, emb, head = chunk_seconds(cfg, par, cluster, b, attention, dp_rank=0)
-    layers, last = min_max(cfg.n_layer, layer, emb, head), len(layer) - 1
-    return par.microbatches * (1 - 1e-9) * max(n * x + e * (c == 0) + h * (c == last) for c, (
-        n, x, e, h) in enumerate(zip(layers, layer, emb, head)))
+    return par.microbatches * (1 - 1e-9) * slowest_chunk(
+        cfg.n_layer, *chunk_seconds(cfg, par, cluster, b, attention, dp_rank=0))
 
 
 def _fits_somewhere(cfg, cluster, global_batch, precision) -> Estimate | None:
