@@ -1,0 +1,246 @@
+"""Scheduling policies, simplest first: each maps a round (the jobs present, what they received so
+far, the cluster's chips, the throughput matrix) to an allocation {job name: (kind, count)}.
+
+    fifo            arrival order, no preemption: a running job keeps its chips; the first waiting
+                    job takes its scale on the fastest kind for it with room, and those behind it
+                    wait while it cannot (strict order)
+    las             Tiresias' discretised two-dimensional least attained service (Gu et al. NSDI
+                    2019): a job's service is chips x seconds received; queues split at THRESHOLDS
+                    (chip-seconds, assumed), the least-served queue first, arrival order within one;
+                    preemptive, each on the fastest kind with room; a job that does not fit is
+                    passed over (its starvation guard is left out)
+    max-min         Gavel's heterogeneity-aware max-min fairness (Narayanan et al. OSDI 2020): a
+                    linear program over time fractions x[job, kind] maximises the least normalised
+                    throughput sum_k rate[j, k] x[j, k] / rate_equal[j] (rate_equal: the job's rate
+                    with an equal time share of the cluster spread over the kinds it fits); per kind
+                    sum_j scale_j x[j, k] <= chips_k, per job sum_k x[j, k] <= 1
+                    (then, water-filling, the most total throughput that keeps that optimum)
+    max-min-blind   the same fairness blind to kinds: every chip alike, so each job gets the equal
+                    time share min(1, chips / sum of scales), on the kind with the most chips free
+    max-throughput  Gavel's total-throughput policy: the same constraints, maximising the sum of
+                    each job's throughput over its best rate
+    minipar         chooses each job's kind, count (among those it accepts) and so its layout
+                    (throughput.layout, re-planned for the allocation; checkpoints resume in any
+                    layout): first the max-min optimum z* over every (kind, count), then the most
+                    total normalised throughput that keeps every job at >= fairness x z*
+
+The linear programs run over job classes (type, scale, accepted counts), not jobs: jobs of one class
+are interchangeable, and both objectives are concave and symmetric in them, so an optimum that gives
+each member the same fractions exists; a 10,000-job trace has a handful of classes. Fractions become
+rounds as Gavel does: each round the (job, config) pairs go in order of priority x / (the fraction
+of its rounds the job received there), a job holding at most one, while a kind has room; then any
+waiting job that fits takes chips still free (no chip idles while a job it can run waits).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+THRESHOLDS = (3600.0,)   # las: chip-seconds that move a job to the next queue (ASSUMED: one
+                         #   chip-hour; Tiresias tunes its own per cluster)
+FAIRNESS = 0.8           # minipar: every job keeps at least this fraction of the max-min optimum
+
+
+@dataclass
+class JobState:
+    """One job as a policy sees it (simulate.py keeps it)."""
+    job: object
+    done: float = 0.0               # steps done
+    attained: float = 0.0           # chip-seconds received
+    current: tuple | None = None    # (kind, count) held last round
+    received: dict = field(default_factory=dict)   # {(kind, count): rounds held}
+    age: int = 0                    # rounds present before this one
+    owed: float = 0.0               # restart seconds still to pay
+    never_ran: bool = True
+    contention: float = 0.0         # sum over its rounds of the cluster's contention
+
+    @property
+    def remaining(self) -> float:
+        return self.job.steps - self.done
+
+
+@dataclass
+class Round:
+    time: float
+    jobs: list          # JobState, in arrival order
+    capacity: dict      # {kind: chips}
+    rates: dict         # {job name: {(kind, count): steps/s}}
+    options: dict = field(default_factory=dict)
+
+    def rate(self, s: JobState, kind: str, count: int) -> float:
+        return self.rates[s.job.name].get((kind, count), 0.0)
+
+    def fastest(self, s: JobState, free: dict, count: int):
+        """The kind with room for `count` chips where s runs fastest, or None."""
+        fits = [k for k in self.capacity if free[k] >= count and self.rate(s, k, count) > 0]
+        return max(fits, key=lambda k: self.rate(s, k, count), default=None)
+
+
+def check(view: Round, alloc: dict) -> None:
+    """What any policy's allocation must satisfy: jobs present, counts they accept, a rate above 0,
+    no kind over its chips."""
+    present = {s.job.name: s for s in view.jobs}
+    used = dict.fromkeys(view.capacity, 0)
+    for name, (kind, count) in alloc.items():
+        s = present.get(name)
+        if s is None or count not in s.job.counts or view.rate(s, kind, count) <= 0:
+            raise RuntimeError(f"policy gave {name} {count} x {kind}, which it cannot run on")
+        used[kind] += count
+    over = {k: n for k, n in used.items() if n > view.capacity[k]}
+    if over:
+        raise RuntimeError(f"policy over-allocated {over} (chips: {view.capacity})")
+
+
+def fifo(view: Round) -> dict:
+    free, alloc = dict(view.capacity), {}
+    for s in view.jobs:
+        if s.current:
+            alloc[s.job.name] = s.current
+            free[s.current[0]] -= s.current[1]
+    for s in (s for s in view.jobs if not s.current):
+        kind = view.fastest(s, free, s.job.scale)
+        if kind is None:
+            break   # strict order: nobody overtakes the first waiting job
+        alloc[s.job.name] = (kind, s.job.scale)
+        free[kind] -= s.job.scale
+    return alloc
+
+
+def las(view: Round) -> dict:
+    thresholds = view.options.get("thresholds", THRESHOLDS)
+    queue = lambda s: sum(s.attained >= t for t in thresholds)  # noqa: E731
+    free, alloc = dict(view.capacity), {}
+    for s in sorted(view.jobs, key=lambda s: (queue(s), s.job.arrival)):
+        kind = view.fastest(s, free, s.job.scale)
+        if kind is not None:
+            alloc[s.job.name] = (kind, s.job.scale)
+            free[kind] -= s.job.scale
+    return alloc
+
+
+# ----------------------------------------------------------------- the linear programs, by class
+
+
+def _classes(view: Round, elastic: bool) -> dict:
+    """{class key: [members' JobStates]}; a class is (type, scale, counts) and its configs."""
+    out: dict = {}
+    for s in view.jobs:
+        out.setdefault((s.job.kind, s.job.scale, s.job.counts if elastic else ()), []).append(s)
+    return out
+
+
+def _configs(view: Round, s: JobState, elastic: bool) -> list:
+    counts = s.job.counts if elastic else (s.job.scale,)
+    return [(k, n) for k in view.capacity for n in counts if view.rate(s, k, n) > 0]
+
+
+def _solve(view: Round, elastic: bool, objective: str, fairness: float = 0.0) -> dict:
+    """Fractions {job name: {(kind, count): x}}: "max-min" (the least normalised throughput) or
+    "sum" (total throughput over each job's best rate; with fairness > 0, every job's normalised
+    throughput kept >= fairness x the max-min optimum)."""
+    from scipy.optimize import linprog
+
+    classes = _classes(view, elastic)
+    chips = sum(view.capacity.values())
+    share = min(1.0, chips / sum(s.job.scale for s in view.jobs))
+    cols, members, norm, best = [], [], [], []   # cols: (class index, config)
+    for c, group in enumerate(classes.values()):
+        s = group[0]
+        configs = _configs(view, s, elastic)
+        cols += [(c, cfg) for cfg in configs]
+        members.append(len(group))
+        at_scale = [view.rate(s, k, s.job.scale) for k in view.capacity
+                    if view.rate(s, k, s.job.scale) > 0]
+        norm.append(share * sum(at_scale) / len(at_scale))
+        best.append(max(view.rate(s, *cfg) for cfg in configs))
+    n, kinds = len(cols), list(view.capacity)
+    rate = [view.rate(list(classes.values())[c][0], *cfg) for c, cfg in cols]
+    rows, bounds = [], []
+    for c in range(len(classes)):   # a job's fractions sum to at most 1
+        rows.append([1.0 if cc == c else 0.0 for cc, _ in cols]), bounds.append(1.0)
+    for k in kinds:                  # a kind's chips
+        rows.append([members[c] * cfg[1] if cfg[0] == k else 0.0 for c, cfg in cols])
+        bounds.append(float(view.capacity[k]))
+    value = [rate[i] / norm[c] for i, (c, _) in enumerate(cols)]
+
+    def maxmin():
+        a = [r + [0.0] for r in rows] + [[-value[i] if cc == c else 0.0 for i, (cc, _) in
+                                          enumerate(cols)] + [1.0] for c in range(len(classes))]
+        res = linprog([0.0] * n + [-1.0], A_ub=a, b_ub=bounds + [0.0] * len(classes),
+                      bounds=[(0, None)] * (n + 1), method="highs")
+        return res.x[:n], res.x[n]
+
+    x, z = maxmin()
+    if objective == "sum":
+        floor = [[-value[i] if cc == c else 0.0 for i, (cc, _) in enumerate(cols)]
+                 for c in range(len(classes))]
+        res = linprog([-members[c] * rate[i] / best[c] for i, (c, _) in enumerate(cols)],
+                      A_ub=rows + floor * (fairness > 0),
+                      b_ub=bounds + [-fairness * z * (1 - 1e-6)] * len(classes) * (fairness > 0),
+                      bounds=[(0, None)] * n, method="highs")
+        x = res.x
+    fractions = {s.job.name: {} for s in view.jobs}
+    for i, (c, cfg) in enumerate(cols):
+        for s in list(classes.values())[c]:
+            fractions[s.job.name][cfg] = x[i]
+    return fractions
+
+
+def _rounded(view: Round, fractions: dict, blind: bool = False) -> dict:
+    """Gavel's rounds from fractions (module docstring), then the free chips filled (blind: on the
+    kind with the most chips free, else the fastest)."""
+    def priority(s, cfg, x):
+        if cfg[0] == "*":   # blind: any kind, its rounds at that count
+            got = sum(v for (_, n), v in s.received.items() if n == cfg[1])
+        else:
+            got = s.received.get(cfg, 0)
+        return x / (got / s.age) if got else math.inf
+
+    pairs = sorted((-priority(s, cfg, x), cfg != s.current, -x, s.job.arrival, i, cfg)
+                   for i, s in enumerate(view.jobs)
+                   for cfg, x in fractions[s.job.name].items() if x > 1e-9)
+    free, alloc = dict(view.capacity), {}
+
+    def place(s, cfg) -> None:
+        kind, count = cfg
+        if kind == "*":   # blind: the kind with the most chips free (speeds unseen)
+            kind = max((k for k in view.capacity if free[k] >= count and
+                        view.rate(s, k, count) > 0), key=free.get, default=None)
+        if kind is not None and free[kind] >= count and view.rate(s, kind, count) > 0:
+            alloc[s.job.name] = (kind, count)
+            free[kind] -= count
+
+    for *_, i, cfg in pairs:
+        if view.jobs[i].job.name not in alloc:
+            place(view.jobs[i], cfg)
+    for s in view.jobs:   # work conservation
+        if s.job.name not in alloc:
+            kind = "*" if blind else view.fastest(s, free, s.job.scale)
+            if kind is not None:
+                place(s, (kind, s.job.scale))
+    return alloc
+
+
+def max_min(view: Round) -> dict:
+    # the max-min optimum, then (water-filling) the most total throughput that keeps it
+    return _rounded(view, _solve(view, elastic=False, objective="sum", fairness=1.0))
+
+
+def max_min_blind(view: Round) -> dict:
+    chips = sum(view.capacity.values())
+    share = min(1.0, chips / sum(s.job.scale for s in view.jobs))
+    return _rounded(view, {s.job.name: {("*", s.job.scale): share} for s in view.jobs},
+                    blind=True)
+
+
+def max_throughput(view: Round) -> dict:
+    return _rounded(view, _solve(view, elastic=False, objective="sum"))
+
+
+def minipar(view: Round) -> dict:
+    fairness = view.options.get("fairness", FAIRNESS)
+    return _rounded(view, _solve(view, elastic=True, objective="sum", fairness=fairness))
+
+
+POLICIES = {"fifo": fifo, "las": las, "max-min": max_min, "max-min-blind": max_min_blind,
+            "max-throughput": max_throughput, "minipar": minipar}
