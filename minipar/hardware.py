@@ -11,12 +11,20 @@ device, dtype, thread count and CPU model, with its date and the load average it
 every later run divides by the same number, and `peak(...).source` says which. `calibrate_peak()`
 measures again, and so does the next run after one measured while the cores were busy, once the
 load has halved.
+
+A slower kind of device, emulated: `throttle(factor)` is an after_compute hook of the training
+loop that, after each micro-batch's forward and backward or each pipeline action, sleeps (factor - 1) times what that compute took, so the rank computes like a device
+`factor` times slower. It is stated and synthetic: what is slowed is the forward and backward (with
+the TP or ZeRO-3 collectives inside them, if any), not the DP all-reduce or the pipeline's sends,
+and sleeping frees the core, so the other ranks are not slowed. Fewer intra-op threads would be the
+other way to slow a rank, but on a machine with as many cores as ranks each has one thread already.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import time
@@ -75,6 +83,16 @@ def published_peak(gpu_name: str, dtype: torch.dtype) -> Peak | None:
             return Peak(flops / 2, f"{key} dense TF32 (half the bf16 peak) for {_short(dtype)}, "
                                    "published")
     return None
+
+
+def throttle(factor: float):
+    """The after_compute hook of a device `factor` (>= 1) times slower (module docstring): sleep
+    (factor - 1) times the compute just done. None for factor 1: no hook."""
+    if not 1.0 <= factor < math.inf:
+        raise ValueError(f"a slowdown must be a number >= 1 (times slower), got {factor!r}")
+    if factor == 1.0:
+        return None
+    return lambda seconds: time.sleep((factor - 1.0) * seconds)
 
 
 def measured_matmul_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024,

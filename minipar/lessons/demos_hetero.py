@@ -6,21 +6,17 @@ layers, and DP ranks rows of the global batch, in proportion to their speed (pla
 the executor runs such a plan as `ParallelConfig(stage_layers=..., dp_shares=...)`, still equal to
 the single-process run (the DP gradient average is weighted by the shares, train.py).
 
-The throttle is stated and synthetic, and lives here: `throttle(factor)`, the `after_compute` hook
-this demo hands to train_rank for the ranks of `slow_ranks={rank: factor}`. After each micro-batch's
-forward and backward, or each pipeline action, a throttled rank sleeps (factor - 1) times what that
-compute took, so it computes like a device `factor` times slower. It stands in for a slower GPU;
-what is slowed is the forward and backward (with the TP or ZeRO-3 collectives inside them, if any),
-not the DP all-reduce or the pipeline's sends, and sleeping frees the core, so the other ranks are
-not slowed. Fewer intra-op threads would be the other way to slow a rank, but on a machine with as
-many cores as ranks each rank has one thread already.
+The slow ranks are throttled: for the ranks of `slow_ranks={rank: factor}` this demo hands
+train_rank `hardware.throttle(factor)` as its `after_compute` hook, so each computes like a device
+`factor` times slower (hardware.py says what is slowed, and why a sleep; `throttle` is imported
+here so that lesson 09 can print it).
 
     from minipar.lessons.demos_hetero import compare
     out = compare(cfg, minipar.ParallelConfig(dp=2), 48, slow_ranks={1: 2.0})
     out["planned"]["par"].dp_shares, out["ratio"]      # (32, 16), about 0.7: planned / uniform step
 
 Device kinds, emulated and predicted (`emulated_run`): calibrate.emulate makes this machine's ranks
-a mixed Cluster of kinds, each `slowdown` times slower (this throttle) with its own memory, and the
+a mixed Cluster of kinds, each `slowdown` times slower (the throttle) with its own memory, and the
 CPU cost model replays the throttle's sleeps, so the planner's placement (`placement`: every order
 of the kinds, the layers split by speed and memory) is predicted and measured against the even
 split:
@@ -32,12 +28,12 @@ split:
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch.distributed as dist
 
 from minipar import pipeline
 from minipar.config import ParallelConfig
+from minipar.hardware import throttle
 from minipar.launch import launch
 from minipar.mesh import layout_ranks
 from minipar.planner import calibrate, estimate
@@ -69,16 +65,6 @@ def planned(cfg, par: ParallelConfig, global_batch: int, slow_ranks: dict) -> Pa
     return par.replace(stage_layers=tuple(est.layers) if par.pp > 1 else None,
                        dp_shares=tuple(s * par.microbatches for s in est.shares) if par.dp > 1
                        else None)
-
-
-def throttle(factor: float):
-    """The after_compute hook of a device `factor` (>= 1) times slower: sleep (factor - 1) times the
-    compute just done (sleeping frees the core for the other ranks). None for factor 1: no hook."""
-    if not factor >= 1.0:
-        raise ValueError(f"slow_ranks factors must be >= 1 (times slower), got {factor!r}")
-    if factor == 1.0:
-        return None
-    return lambda seconds: time.sleep((factor - 1.0) * seconds)
 
 
 def race(cfg, layouts: list, steps: int, global_batch: int, slow_ranks: list, rounds: int = 5,

@@ -177,7 +177,7 @@ class PipelineExecutor:
     into the chunks' .grad (sum of loss_j / m over micro-batches j); the caller steps the
     optimizer. With W actions in the schedule, B computes only input gradients (`_weight`).
     stats: counts the messages sent ("p2p"; None: not counted). after_compute(seconds), if given,
-    is called after each action with what it took (demos_hetero's throttle). `evaluate` runs
+    is called after each action with what it took (hardware.throttle). `evaluate` runs
     forward only, without the schedule."""
 
     def __init__(self, chunks: dict, schedule, shape: tuple, group=None, loss_fn=cross_entropy,

@@ -68,7 +68,7 @@ class CPU:
     links: tuple = ()     # (group size, meet s, s a ring step, bytes/s), per group size measured
     measured_at: float = 0.0  # when, time.time() (0: not known)
     slowdown: float = 1.0     # an emulated kind (`emulate`): each compute then sleeps
-                              #   (slowdown - 1) times its time (lessons/demos_hetero.throttle)
+                              #   (slowdown - 1) times its time (hardware.throttle)
 
     def link(self, n: int) -> tuple[float, float, float]:
         """(s to meet after compute, s a ring step, bandwidth) among n ranks:
@@ -290,11 +290,11 @@ def emulate(machine: Cluster, kinds) -> Cluster:
     """A mixed cluster of device kinds emulated by this machine's ranks (`this_machine`'s Cluster
     of their total world): kinds = [(name, ranks, slowdown, memory bytes)], in rank order. A kind
     computes `slowdown` (>= 1) times slower, by the throttle that sleeps after each compute
-    (lessons/demos_hetero.throttle), so its peak is the machine's over slowdown and cpu_time
-    replays the sleeps; `memory` is its capacity, all of it usable (the check of the planned
-    bytes, not an allocator's). Sleeping frees the core, but ranks that compute at the same moment
-    share the cores: the emulated kinds are what they say with one rank a core (more ranks slow
-    each other, which cpu_time's time-sharing replays)."""
+    (hardware.throttle), so its peak is the machine's over slowdown and cpu_time replays the sleeps;
+    `memory` is its capacity, all of it usable (the check of the planned bytes, not an allocator's).
+    Sleeping frees the core, but ranks that compute at the same moment share the cores: the
+    emulated kinds are what they say with one rank a core (more ranks slow each other, which
+    cpu_time's time-sharing replays)."""
     kinds = list(kinds)
     if sum(n for _, n, _, _ in kinds) != machine.world:
         raise ValueError(f"the kinds have {sum(n for _, n, _, _ in kinds)} ranks, the machine's "
