@@ -2,11 +2,11 @@
 
 A checkpoint holds what the single-process run would hold: the full fp32 weights under the GPT's
 names, AdamW's two moments and step count for each of them, the number of steps done (the data
-position: batches are a function of the step) and the model's configuration; the training loop
-adds the run's settings (`run`: batch, seed, data, learning rate...; a resume must keep the data's),
-the data and its tokenizer (`data`: a data.Dataset as a dict, so `sample` decodes as training
-encoded) and fp16's loss scaler (`scaler`). Saving gathers the
-pieces (tensor-parallel blocks along their cut, pipeline stages' layers) to rank 0, which writes;
+position: batches are a function of the step) and the model's configuration; `write`, the
+training loop's save, adds the run's settings (`run`: batch, seed, data, learning rate...; a resume
+must keep the data's), the data and its tokenizer (`data`: a data.Dataset as a dict, so `sample`
+decodes as training encoded) and fp16's loss scaler (`scaler`). Saving gathers the pieces
+(tensor-parallel blocks along their cut, pipeline stages' layers) to rank 0, which writes;
 resuming loads the full weights before the layout cuts the model, then cuts the moments the same
 way. So a run saved at dp2 tp2 pp2 resumes at tp4 or on one process and continues the same training.
 
@@ -81,6 +81,29 @@ def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | N
     return dict(format=FORMAT, model={k: v for w, _ in shares for k, v in w.items()},
                 optimizer={k: v for _, m in shares for k, v in m.items()}, steps_done=steps_done,
                 config=dataclasses.asdict(cfg))
+
+
+def write(run, mesh, cfg, steps_done: int, path: str, data, settings: dict) -> None:
+    """The training loop's save: gather the checkpoint of `run` (a parallelize.Parallel) after
+    `steps_done` steps (a collective) and write it (rank 0), with what a resume needs beyond the
+    weights: the run's settings (preflight.check_resume), the data and its tokenizer, and fp16's
+    loss scale."""
+    state = gather(run.model, run.optimizer, run.mp, run.tp, mesh.pp_group, steps_done, cfg)
+    if state:  # rank 0
+        state.update(run=settings, data=dataclasses.asdict(data), scaler=run.scaler_state())
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save(state, path)
+
+
+def final_weights(run, mesh) -> dict:
+    """The single-device weights of `run` (a parallelize.Parallel), whole on the first rank of each
+    pipeline group, {} on the others (a collective: with tp > 1 every rank of the group takes part,
+    with ZeRO-3 every rank gathers; every stage sends its share)."""
+    if isinstance(run.optimizer, Zero3):
+        run.optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
+    state = full_state_dict(run.model, run.tp) if run.tp else \
+        {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
+    return {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}
 
 
 def save(checkpoint: dict, path: str) -> None:

@@ -157,6 +157,19 @@ def prepare(source: str, tokenizer: str = "char", vocab_size: int | None = None)
     return Dataset(source, "bpe", train_bpe(text, vocab_size))
 
 
+def for_run(data, tokenizer: str, vocab_size: int | None, kept: dict | None = None) -> Dataset:
+    """A training run's Dataset: `data` if it is one, else `prepare`'s, except that a run resumed
+    from a checkpoint keeps the checkpoint's (`kept`, a Dataset as a dict) when it names the same
+    source and tokenizer, so its token ids mean what they meant (a BPE trained again may differ)."""
+    if isinstance(data, Dataset):
+        return data
+    if kept:
+        kept = Dataset(**kept)
+        if kept.tokenizer == tokenizer and kept.source == prepare(data).source:
+            return kept
+    return prepare(data, tokenizer, vocab_size)
+
+
 def train_bpe(text: str, vocab_size: int) -> str:
     """A byte-level BPE of at most `vocab_size` tokens trained on `text`, as JSON. Deterministic:
     the same text and size give the same merges. Fewer tokens when the text runs out of pairs."""

@@ -19,7 +19,6 @@ lines, TensorBoard if asked (metrics). MFU: model FLOPs over hardware.peak's pea
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -37,11 +36,9 @@ from minipar.launch import heartbeat, launch, pick_backend
 from minipar.metrics import MetricsLog, ProgressBar, StepClock, check_tensorboard, max_memory_mib
 from minipar.mesh import Mesh
 from minipar.model import GPT, GPTConfig
-from minipar.parallelize import Parallel, make_optimizer, parallelize  # noqa: F401 (make_optimizer)
-from minipar.checkpoint import gather_stages
+from minipar.parallelize import make_optimizer, parallelize  # noqa: F401 (make_optimizer)
 from minipar.precision import DTYPES
 from minipar.tracker import Tracker
-from minipar.zero3 import Zero3
 
 
 @dataclass
@@ -147,7 +144,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     if done >= steps:
         raise ValueError(f"the checkpoint has {done} steps done already; ask for more than {done} "
                          "steps")
-    data = _dataset(data, tokenizer, cfg, saved)
+    data = dataset.for_run(data, tokenizer, cfg.vocab_size, saved and saved.get("data"))
     dataset.check(data, cfg.vocab_size, cfg.seq_len)
     settings = dict(global_batch=global_batch, seed=seed, data=data.source,
                     tokenizer=data.tokenizer, vocab=data.fingerprint, lr=lr,
@@ -184,18 +181,6 @@ def _run(job: dict, backend: str, device: str, timeout: float, bar, report: bool
                       backend=backend, timeout=timeout, **job)
     return launch(train_rank, par.world, report=ProgressBar.print_line if report else None,
                   backend=backend, timeout=timeout, on_line=bar.on_line, **job)
-
-
-def _dataset(data, tokenizer: str, cfg, saved: dict | None) -> dataset.Dataset:
-    """The run's Dataset: given, or prepared from its name (a resumed run keeps the checkpoint's
-    tokenizer, so its token ids mean what they meant)."""
-    if isinstance(data, dataset.Dataset):
-        return data
-    if saved and saved.get("data"):
-        kept = dataset.Dataset(**saved["data"])
-        if kept.tokenizer == tokenizer and kept.source == dataset.prepare(data).source:
-            return kept
-    return dataset.prepare(data, tokenizer, cfg.vocab_size)
 
 
 def lr_at(step: int, lr: float, steps: int, warmup: int = 0, decay: str = "none") -> float:
@@ -327,13 +312,13 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
                                      max_memory_mib=max_memory_mib(device)))
         # the checkpoint, every save_every steps (0: at the end) and at the end
         if save and ((step + 1) % (save_every or steps) == 0 or step + 1 == steps):
-            _checkpoint(run, mesh, cfg, step + 1, save, data, settings)
+            checkpoint.write(run, mesh, cfg, step + 1, save, data, settings)
     log.close()
     out.comm, out.calls = dict(stats.bytes_sent), dict(stats.calls)  # not the gather below
     out.memory["activations"] = max(meter.peak, out.tracked_activations)
     if device.startswith("cuda"):  # the ground truth on a GPU, beside the counted categories
         out.memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
-    state = _final_weights(run, mesh) if return_state and not out.stopped else None
+    state = checkpoint.final_weights(run, mesh) if return_state and not out.stopped else None
     run.close()
     out.spans = out.spans or (run.dp.spans if run.dp else [])
     out.state_dict = state if mesh.rank == 0 else None
@@ -362,33 +347,10 @@ def train_layouts(layouts: list, *, around=None, **common) -> list[RankResult]:
     return out
 
 
-def _checkpoint(run: Parallel, mesh, cfg, steps_done: int, path: str, data, settings) -> None:
-    """Gather the checkpoint after `steps_done` steps (a collective) and write it (rank 0), with
-    what a resume needs beyond the weights: the run's settings (preflight.check_resume), the
-    tokenizer and fp16's loss scale."""
-    state = checkpoint.gather(run.model, run.optimizer, run.mp, run.tp, mesh.pp_group, steps_done,
-                              cfg)
-    if state:  # rank 0
-        state.update(run=settings, data=dataclasses.asdict(data),
-                     scaler=run.scaler_state())
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        checkpoint.save(state, path)
-
-
 def _device() -> str:
     """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     return f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
-
-
-def _final_weights(run: Parallel, mesh) -> dict:
-    """The single-device weights (collective: with tp > 1 every rank of the group takes part, with
-    ZeRO-3 every rank gathers; every stage sends its share)."""
-    if isinstance(run.optimizer, Zero3):
-        run.optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
-    state = checkpoint.full_state_dict(run.model, run.tp) if run.tp else \
-        {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
-    return {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}
 
 
 def _peaks(tracker: Tracker) -> dict[str, dict]:
