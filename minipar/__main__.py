@@ -114,6 +114,9 @@ def train_parser(sub) -> argparse.ArgumentParser:
                    help="held-out global batches each validation loss averages")
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="cpu: gloo ranks; cuda: one GPU per rank, NCCL; auto: cuda if enough GPUs")
+    t.add_argument("--slowdown", type=float, default=1.0,
+                   help="every rank computes this many times slower (>= 1): a slower kind of "
+                        "device, emulated by sleeping after each compute")
     t.add_argument("--timeout", type=float, default=600.0,
                    help="local ranks: stop the job when none makes progress for this long; "
                         "under torchrun: the limit of one collective")
@@ -186,7 +189,7 @@ def run_train(args) -> None:
                 save_every=args.save_every, resume=args.resume, clip=args.clip,
                 warmup=args.warmup, decay=args.decay, eval_every=args.eval_every,
                 eval_batches=args.eval_batches, metrics=args.metrics,
-                tensorboard=args.tensorboard, timeout=args.timeout)
+                tensorboard=args.tensorboard, timeout=args.timeout, slowdown=args.slowdown)
     if not leader:
         return
     print(res.summary())

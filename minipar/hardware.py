@@ -12,8 +12,9 @@ every later run divides by the same number, and `peak(...).source` says which. `
 measures again, and so does the next run after one measured while the cores were busy, once the
 load has halved.
 
-A slower kind of device, emulated: `throttle(factor)` is an after_compute hook of the training
-loop that, after each micro-batch's forward and backward or each pipeline action, sleeps (factor - 1) times what that compute took, so the rank computes like a device
+A slower kind of device, emulated: `throttle(factor)` is the training loop's after_compute hook
+(`train(slowdown=...)`) that, after each micro-batch's forward and backward or each pipeline
+action, sleeps (factor - 1) times what that compute took, so the rank computes like a device
 `factor` times slower. It is stated and synthetic: what is slowed is the forward and backward (with
 the TP or ZeRO-3 collectives inside them, if any), not the DP all-reduce or the pipeline's sends,
 and sleeping frees the core, so the other ranks are not slowed. Fewer intra-op threads would be the

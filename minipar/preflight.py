@@ -25,7 +25,7 @@ PROCESS_BYTES = 380 * 2**20  # a CPU rank's own footprint after init_process_gro
 
 
 def check_settings(*, steps, lr, weight_decay, clip, warmup, decay, eval_every, eval_batches,
-                   save_every, timeout) -> None:
+                   save_every, timeout, slowdown) -> None:
     """The loop's numbers, each in its range (ValueError naming the first that is not)."""
     def number(name, value, ok, rule):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
@@ -42,6 +42,7 @@ def check_settings(*, steps, lr, weight_decay, clip, warmup, decay, eval_every, 
            "a number >= 0")
     number("clip", clip, lambda v: math.isfinite(v) and v >= 0, "a number >= 0 (0: no clipping)")
     number("timeout", timeout, lambda v: v > 0, "positive seconds")
+    number("slowdown", slowdown, lambda v: 1 <= v < math.inf, "a number >= 1 (times slower)")
     for name, value in (("warmup", warmup), ("eval_every", eval_every), ("save_every", save_every)):
         count(name, value, 0)
     count("eval_batches", eval_batches, 1)

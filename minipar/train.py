@@ -107,7 +107,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           clip: float = 0.0, warmup: int = 0, decay: str = "none", eval_every: int = 0,
           eval_batches: int = 2, metrics: str | None = None, tensorboard: str | None = None,
-          on_step=None) -> TrainResult:
+          on_step=None, slowdown: float = 1.0) -> TrainResult:
     """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first,
     before any process starts (minipar/preflight.py says what is checked).
 
@@ -122,13 +122,16 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     at the end (0: never). metrics: a JSON-lines file, tensorboard: a folder (metrics.py).
     timeout: seconds without any progress after which the job is stopped as hung (not a limit on
     its length). on_step(loss, tokens_per_s), if given, is called in this process after each step
-    (as the progress bar is drawn), e.g. by a dashboard's own progress bar."""
+    (as the progress bar is drawn), e.g. by a dashboard's own progress bar.
+    slowdown: every rank computes that many (>= 1) times slower, a slower kind of device emulated
+    (hardware.throttle)."""
     # long: every check before any process starts, one line each, then the launch
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
     preflight.check_settings(steps=steps, lr=lr, weight_decay=weight_decay, clip=clip,
                              warmup=warmup, decay=decay, eval_every=eval_every,
-                             eval_batches=eval_batches, save_every=save_every, timeout=timeout)
+                             eval_batches=eval_batches, save_every=save_every, timeout=timeout,
+                             slowdown=slowdown)
     # a world larger than the devices fails here (under torchrun: this node's share of it)
     joined = server.torchrun_rank() is not None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world)) if joined else par.world
@@ -156,7 +159,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
                weight_decay=weight_decay, seed=seed, data=data, return_state=return_state,
                save=save, save_every=save_every, resume=resume, clip=clip, warmup=warmup,
                decay=decay, eval_every=eval_every, eval_batches=eval_batches, metrics=metrics,
-               tensorboard=tensorboard, settings=settings,
+               tensorboard=tensorboard, settings=settings, slowdown=slowdown,
                peak_flops=peak.flops * (par.world if device == "cuda" else 1))
     bar = ProgressBar(steps - done, show=progress, on_step=on_step)
     try:
@@ -231,19 +234,22 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
                decay: str = "none", eval_every: int = 0, eval_batches: int = 2,
                metrics: str | None = None, tensorboard: str | None = None,
                settings: dict | None = None, peak_flops: float | None = None, report=None,
-               device: str | None = None, after_compute=None, watch: bool = True) -> RankResult:
+               device: str | None = None, after_compute=None, watch: bool = True,
+               slowdown: float = 1.0) -> RankResult:
     """One rank's training run (the arguments are train's); returns its losses, timings, memory,
     bytes sent and (rank 0, with return_state) the single-device weights. Stops after a step whose
     loss is not finite (every rank sees the same global loss, so all stop together).
 
     report(loss, tokens_per_s), if given, is called by rank 0 after each step (the progress bar).
     after_compute(seconds), if given, is called after each micro-batch's forward and backward (each
-    pipeline action) with the seconds it took: a hook for demonstrations (demos_hetero's throttle).
+    pipeline action) with the seconds it took: a hook for demonstrations (demos_hetero), in place
+    of the throttle that `slowdown` makes.
     watch=False: no Tracker watches a step (no step_memory or timeline; a watched step takes 2x)."""
     # long: the loop reads top to bottom, one step's stages in order, each a line or two
     par.check(cfg, global_batch)  # train_layouts and torchrun come here without train()'s checks
     device = device or _device()
     data = data if isinstance(data, dataset.Dataset) else dataset.prepare(data)
+    after_compute = after_compute or hardware.throttle(slowdown)  # built here: a job is pickled
     mesh, stats = Mesh.build(par.dp, par.tp, par.pp, par.stage_tp), comm.CommStats()
     torch.manual_seed(seed)
     # the full model on every rank, then cut: every layout trains the same one

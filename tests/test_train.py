@@ -1,6 +1,7 @@
 """Single-process training: the reference every parallel layout is compared with."""
 import math
 
+import pytest
 import torch
 from reference import assert_same_training
 
@@ -52,3 +53,19 @@ def test_a_run_not_watched_trains_and_counts_memory_the_same():
                                          cfg=cfg, steps=3, global_batch=4)
     assert watched.step_memory and not not_watched.step_memory
     assert not_watched.losses == watched.losses and not_watched.memory == watched.memory
+
+
+def test_slowdown_emulates_a_slower_device_training_the_same():
+    """Each forward and backward is followed by a sleep of 3x its time: a step about 4x as long
+    (the optimizer step is not slowed), the same losses bit for bit. The fastest step of each run
+    is compared, since a busy host only ever lengthens steps."""
+    fast = minipar.train(TINY, steps=5, global_batch=8)
+    slow = minipar.train(TINY, steps=5, global_batch=8, slowdown=4.0)
+    assert slow.losses == fast.losses
+    assert min(slow.step_times) > 2 * min(fast.step_times), (slow.step_times, fast.step_times)
+
+
+@pytest.mark.parametrize("slowdown", [0.5, 0, float("nan"), float("inf"), True])
+def test_a_bad_slowdown_fails_before_any_process(slowdown):
+    with pytest.raises(ValueError, match="slowdown must be a number >= 1"):
+        minipar.train(TINY, ParallelConfig(dp=2), steps=2, global_batch=8, slowdown=slowdown)
