@@ -131,6 +131,8 @@ def output_arguments(o) -> None:
                    help="steps between checkpoints (0: at the end only)")
     o.add_argument("--resume", help="checkpoint to continue from, in any layout (--steps counts "
                                     "from the start)")
+    o.add_argument("--stop-file", help="preemption: when this file exists after a step, save the "
+                                       "checkpoint to --save and stop (--resume continues)")
     o.add_argument("--metrics", help="JSON-lines file: one line of numbers per step")
     o.add_argument("--tensorboard", help="TensorBoard folder for the same numbers")
     o.add_argument("--plot", default="out/loss.png",
@@ -189,10 +191,13 @@ def run_train(args) -> None:
                 save_every=args.save_every, resume=args.resume, clip=args.clip,
                 warmup=args.warmup, decay=args.decay, eval_every=args.eval_every,
                 eval_batches=args.eval_batches, metrics=args.metrics,
-                tensorboard=args.tensorboard, timeout=args.timeout, slowdown=args.slowdown)
+                tensorboard=args.tensorboard, timeout=args.timeout, slowdown=args.slowdown,
+                stop_file=args.stop_file)
     if not leader:
         return
     print(res.summary())
+    if res.preempted:
+        print(f"checkpoint of {res.preempted} steps saved to {args.save}: --resume it to continue")
     predicted = res.predicted_memory or [{}] * len(res.peak_memory)
     print("memory per rank after the first step (states; activations at their most), MiB, "
           "measured (predicted by memory.predict):")

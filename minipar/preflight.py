@@ -25,8 +25,9 @@ PROCESS_BYTES = 380 * 2**20  # a CPU rank's own footprint after init_process_gro
 
 
 def check_settings(*, steps, lr, weight_decay, clip, warmup, decay, eval_every, eval_batches,
-                   save_every, timeout, slowdown) -> None:
-    """The loop's numbers, each in its range (ValueError naming the first that is not)."""
+                   save_every, timeout, slowdown, stop_file, save) -> None:
+    """The loop's numbers, each in its range (ValueError naming the first that is not), and a
+    stop_file only with a checkpoint to save."""
     def number(name, value, ok, rule):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ValueError(f"{name} must be {rule}, got {value!r}")
@@ -50,6 +51,8 @@ def check_settings(*, steps, lr, weight_decay, clip, warmup, decay, eval_every, 
         raise ValueError(f"decay must be 'none' or 'cosine', got {decay!r}")
     if warmup >= steps and warmup:
         raise ValueError(f"warmup ({warmup} steps) must be shorter than the run ({steps} steps)")
+    if stop_file and not save:
+        raise ValueError("stop_file needs save: a run it stops writes its checkpoint there")
 
 
 def check_writable(path: str | None, what: str, folder: bool = False) -> None:

@@ -67,6 +67,7 @@ class TrainResult:
     # buffers and activations were most; "total": with autograd's "temporaries"; each a "phase"}
     step_peak: list[dict] = field(default_factory=list)
     memory_timelines: list[list] = field(default_factory=list, repr=False)  # Tracker.timeline
+    preempted: int = 0                  # steps done when the stop file stopped it (0: it did not)
 
     def summary(self) -> str:
         what = "peak memory over a step" if self.step_peak else "memory after a step"
@@ -74,9 +75,10 @@ class TrainResult:
                       for m in [p["held"] for p in self.step_peak] or self.peak_memory)
         val = f" (validation {self.val_losses[-1][1]:.3f})" if self.val_losses else ""
         against = f"\nMFU is against {self.peak.source}" if self.peak else ""
+        stop = f" (preempted: stopped after step {self.preempted})" if self.preempted else ""
         return (f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{val} in {len(self.losses)} "
-                f"steps | {self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | {what} "
-                f"{fullest / 2**20:.1f} MiB on the fullest rank{against}")
+                f"steps{stop} | {self.tokens_per_s:,.0f} tokens/s | MFU {100 * self.mfu:.1f}% | "
+                f"{what} {fullest / 2**20:.1f} MiB on the fullest rank{against}")
 
 
 @dataclass
@@ -94,6 +96,7 @@ class RankResult:
     val_losses: list[tuple] = field(default_factory=list)  # (step, global mean held-out loss)
     grad_norms: list[float] = field(default_factory=list)  # before clipping, when clip > 0
     stopped: int = 0                    # the step whose loss was not finite (0: none)
+    preempted: int = 0                  # steps done when the stop file stopped it (0: it did not)
     step_memory: dict = field(default_factory=dict)  # the tracked step's peaks (`_peaks`)
     timeline: list = field(default_factory=list, repr=False)  # its Tracker.timeline
     tracked_activations: int = 0        # the tracked step's most activations
@@ -107,7 +110,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
           save: str | None = None, save_every: int = 0, resume: str | None = None,
           clip: float = 0.0, warmup: int = 0, decay: str = "none", eval_every: int = 0,
           eval_batches: int = 2, metrics: str | None = None, tensorboard: str | None = None,
-          on_step=None, slowdown: float = 1.0) -> TrainResult:
+          on_step=None, slowdown: float = 1.0, stop_file: str | None = None) -> TrainResult:
     """Train `cfg` laid out as `par`; see the module docstring. Bad input raises ValueError first,
     before any process starts (minipar/preflight.py says what is checked).
 
@@ -124,14 +127,20 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
     its length). on_step(loss, tokens_per_s), if given, is called in this process after each step
     (as the progress bar is drawn), e.g. by a dashboard's own progress bar.
     slowdown: every rank computes that many (>= 1) times slower, a slower kind of device emulated
-    (hardware.throttle)."""
+    (hardware.throttle). stop_file: graceful preemption. After each step but the last, rank 0
+    looks for this file (on its machine); if it is there, every rank writes the checkpoint to
+    `save` (needed) and stops after that same step, `.preempted` saying how many steps are done;
+    resuming it, in any layout, continues the same training. The file is left for its owner to
+    remove (a run resumed while it is there stops after one step). Cost, only with a stop_file:
+    one broadcast of one number over the world a step (0.3 ms on 2 gloo ranks of a 2-core machine,
+    1 ms on 4; a tiny model's step there takes ~30 ms)."""
     # long: every check before any process starts, one line each, then the launch
     par = par or ParallelConfig()
     par.check(cfg, global_batch)
     preflight.check_settings(steps=steps, lr=lr, weight_decay=weight_decay, clip=clip,
                              warmup=warmup, decay=decay, eval_every=eval_every,
                              eval_batches=eval_batches, save_every=save_every, timeout=timeout,
-                             slowdown=slowdown)
+                             slowdown=slowdown, stop_file=stop_file, save=save)
     # a world larger than the devices fails here (under torchrun: this node's share of it)
     joined = server.torchrun_rank() is not None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world)) if joined else par.world
@@ -159,7 +168,7 @@ def train(cfg: GPTConfig, par: ParallelConfig | None = None, *, steps: int = 10,
                weight_decay=weight_decay, seed=seed, data=data, return_state=return_state,
                save=save, save_every=save_every, resume=resume, clip=clip, warmup=warmup,
                decay=decay, eval_every=eval_every, eval_batches=eval_batches, metrics=metrics,
-               tensorboard=tensorboard, settings=settings, slowdown=slowdown,
+               tensorboard=tensorboard, settings=settings, slowdown=slowdown, stop_file=stop_file,
                peak_flops=peak.flops * (par.world if device == "cuda" else 1))
     bar = ProgressBar(steps - done, show=progress, on_step=on_step)
     try:
@@ -224,7 +233,8 @@ def _merge(ranks: list[RankResult], cfg, global_batch: int, peak, peak_flops: fl
         comm_calls=[r.calls for r in ranks], spans=[r.spans for r in ranks],
         val_losses=first.val_losses, grad_norms=first.grad_norms, state_dict=first.state_dict,
         predicted_memory=memory.predict_ranks(cfg, first.par, global_batch),
-        step_peak=[r.step_memory for r in ranks], memory_timelines=[r.timeline for r in ranks])
+        step_peak=[r.step_memory for r in ranks], memory_timelines=[r.timeline for r in ranks],
+        preempted=first.preempted)
 
 
 def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch: int,
@@ -235,7 +245,7 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
                metrics: str | None = None, tensorboard: str | None = None,
                settings: dict | None = None, peak_flops: float | None = None, report=None,
                device: str | None = None, after_compute=None, watch: bool = True,
-               slowdown: float = 1.0) -> RankResult:
+               slowdown: float = 1.0, stop_file: str | None = None) -> RankResult:
     """One rank's training run (the arguments are train's); returns its losses, timings, memory,
     bytes sent and (rank 0, with return_state) the single-device weights. Stops after a step whose
     loss is not finite (every rank sees the same global loss, so all stop together).
@@ -316,9 +326,14 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
                                      tokens_per_s=tokens / seconds, step_time=seconds,
                                      mfu=_mfu(cfg, tokens, seconds, peak_flops),
                                      max_memory_mib=max_memory_mib(device)))
-        # the checkpoint, every save_every steps (0: at the end) and at the end
-        if save and ((step + 1) % (save_every or steps) == 0 or step + 1 == steps):
+        # preemption: every rank learns whether rank 0 saw the stop file
+        stop = bool(stop_file) and step + 1 < steps and _stop_asked(stop_file, device)
+        # the checkpoint, every save_every steps (0: at the end), at the end and when stopped
+        if save and (stop or (step + 1) % (save_every or steps) == 0 or step + 1 == steps):
             checkpoint.write(run, mesh, cfg, step + 1, save, data, settings)
+        if stop:
+            out.preempted = step + 1
+            break
     log.close()
     out.comm, out.calls = dict(stats.bytes_sent), dict(stats.calls)  # not the gather below
     out.memory["activations"] = max(meter.peak, out.tracked_activations)
@@ -357,6 +372,17 @@ def _device() -> str:
     """This rank's device: its GPU under NCCL (launch set it), else the CPU."""
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     return f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+
+
+def _stop_asked(path: str, device: str) -> bool:
+    """Whether rank 0 sees the file at `path`, on every rank: one broadcast of one number from rank
+    0 over the world (not counted in the training's collectives), so that every rank stops after
+    the same step."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    asked = torch.tensor([float(rank0 and os.path.exists(path))], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(asked, src=0)
+    return bool(asked.item())
 
 
 def _peaks(tracker: Tracker) -> dict[str, dict]:

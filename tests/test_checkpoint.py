@@ -122,3 +122,50 @@ def test_save_and_resume_from_the_cli(tmp_path, capsys):
     main(["train", "--pp", "2", "--microbatches", "2", "--resume", path, *common[:1], "3", *common[2:]])
     out, _ = capsys.readouterr()
     assert "in 1 steps" in out
+
+
+STEPS = 8  # a preempted run's: room for the stop to land a step or two after the file appears
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The uninterrupted run, with a stop file that never appears (the check changes nothing)."""
+    folder = tmp_path_factory.mktemp("finished")
+    return minipar.train(TINY, ParallelConfig(), steps=STEPS, return_state=True,
+                         save=str(folder / "end.pt"), stop_file=str(folder / "never"), **KW)
+
+
+def preempted(tmp_path, par: ParallelConfig, after: int = 2):
+    """Train `par` towards STEPS steps, its stop file made once `after` steps are reported (on_step:
+    the ranks may be a step further on by then); returns the run and its checkpoint's path. A rank
+    that stopped alone would leave its peers waiting: the watchdog ends that in a minute, not 10."""
+    stop, path, reported = tmp_path / "stop", str(tmp_path / "preempted.pt"), []
+
+    def on_step(loss, tokens_per_s):
+        reported.append(loss)
+        if len(reported) == after:
+            stop.touch()
+    run = minipar.train(TINY, par, steps=STEPS, save=path, stop_file=str(stop), on_step=on_step,
+                        timeout=60, **KW)
+    return run, path
+
+
+@pytest.mark.parametrize("first, then", [(ParallelConfig(dp=2), ParallelConfig()),
+                                         (ParallelConfig(pp=2, microbatches=2), ParallelConfig(tp=2))],
+                         ids=lambda p: p.label)
+def test_a_preempted_run_resumed_in_another_layout_ends_as_the_uninterrupted_run(tmp_path, first,
+                                                                                 then, finished):
+    """Stopped by its file at a step boundary, saved there, resumed in another layout: the losses
+    of both parts and the final weights are the uninterrupted run's."""
+    stopped, path = preempted(tmp_path, first)
+    assert 2 <= stopped.preempted < STEPS and len(stopped.losses) == stopped.preempted
+    assert checkpoint.load(path, TINY)["steps_done"] == stopped.preempted  # saved at the stop
+    rest = minipar.train(TINY, then, steps=STEPS, resume=path, return_state=True, **KW)
+    assert finished.preempted == 0 and rest.preempted == 0
+    whole = minipar.TrainResult(**{**rest.__dict__, "losses": stopped.losses + rest.losses})
+    assert_same_training(whole, finished)
+
+
+def test_a_stop_file_needs_a_checkpoint_to_save():
+    with pytest.raises(ValueError, match="stop_file needs save"):
+        minipar.train(TINY, ParallelConfig(dp=2), steps=3, stop_file="stop", **KW)

@@ -81,6 +81,24 @@ def test_a_killed_rank_ends_the_job_with_one_line_naming_it():
     assert not [p for p in workers if os.path.exists(f"/proc/{p}")]
 
 
+def test_a_stop_file_preempts_a_pinned_slowed_run_which_saves_and_exits(tmp_path):
+    """What a scheduler does: a 2-rank run pinned to one core and slowed 2x is preempted by its
+    stop file; it saves the checkpoint of the steps done, says so, and exits 0."""
+    stop, path = tmp_path / "stop", tmp_path / "job.pt"
+    pinned = hasattr(os, "sched_setaffinity")
+    core = {min(os.sched_getaffinity(0))} if pinned else None
+    proc = minipar_cli("--dp", "2", "--steps", "100000", "--slowdown", "2", "--save", str(path),
+                       "--stop-file", str(stop), *QUIET,
+                       preexec_fn=(lambda: os.sched_setaffinity(0, core)) if pinned else None)
+    wait_for_steps(proc)
+    stop.touch()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    steps = int(re.search(r"preempted: stopped after step (\d+)", out).group(1))
+    assert f"checkpoint of {steps} steps saved to {path}" in out
+    assert minipar.checkpoint.load(str(path), TINY)["steps_done"] == steps
+
+
 def test_under_torchrun_dp_is_what_the_world_leaves_and_errors_come_once():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
