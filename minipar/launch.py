@@ -4,6 +4,8 @@
 Notebooks, scripts and tests call it, so it takes care of what makes multi-process code painful:
 
 - backend: gloo on CPU, NCCL when there is one GPU per rank;
+- cores: the ranks run on the cores the caller may run on (`cores()`: a job pinned by taskset stays
+  there), each with max(1, cores // world) intra-op threads, so that ranks do not oversubscribe;
 - rendezvous: the caller hosts the TCPStore on a free port of 127.0.0.1 (no port race);
 - output: each rank's stdout and stderr (C-level writes too) come back line by line as
   "[rank r] ...", printed by the caller, so a notebook cell shows them;
@@ -76,6 +78,14 @@ def heartbeat() -> None:
         os.write(1, f"{HEARTBEAT}\n".encode())
 
 
+def cores() -> list[int]:
+    """The CPU cores this process may run on: its affinity (taskset, os.sched_setaffinity, a
+    container's cpuset) where the system keeps one (Linux), else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def pick_backend(backend: str, world_size: int) -> str:
     """"gloo" or "nccl" for `backend` ("auto", "gloo", "nccl") and `world_size` local ranks."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -109,7 +119,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
     ctx = server.context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    mine = cores()  # set in each worker: the server they fork from may have other cores
+    threads = max(1, len(mine) // world_size)
     procs, results, outputs = [], {}, {}
     try:
         for rank in range(world_size):
@@ -117,7 +128,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 6
             out_r, out_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, name=f"{WORKER_NAME}{rank}", daemon=True,
                             args=(fn, args, kwargs, rank, world_size, backend, store.port, timeout,
-                                  threads, os.getpid(), result_w, out_w))
+                                  mine, threads, os.getpid(), result_w, out_w))
             p.start()
             result_w.close(), out_w.close()
             procs.append(p)
@@ -278,14 +289,16 @@ def _stop(procs, grace: float = 2.0) -> None:
 # ----------------------------------------------------------------------------- inside a worker
 
 
-def _worker(fn, args, kwargs, rank, world_size, backend, port, timeout, threads, caller, result_w,
-            out_w):
+def _worker(fn, args, kwargs, rank, world_size, backend, port, timeout, affinity, threads, caller,
+            result_w, out_w):
     os.dup2(out_w.fileno(), 1)
     os.dup2(out_w.fileno(), 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     faulthandler.register(signal.SIGUSR1, all_threads=False)
     threading.Thread(target=_exit_with_caller, args=(caller,), daemon=True).start()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, affinity)
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)

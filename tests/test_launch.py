@@ -50,7 +50,23 @@ def test_results_come_back_by_rank(world, capsys):
 def test_gloo_on_cpu_and_threads_shared_between_ranks():
     results = minipar.launch(w.backend_and_threads, 4, backend="gloo")
     assert {b for b, _ in results} == {"gloo"}
-    assert {t for _, t in results} == {max(1, (os.cpu_count() or 1) // 4)}
+    assert {t for _, t in results} == {max(1, len(os.sched_getaffinity(0)) // 4)}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores and CPU affinity (Linux)")
+def test_a_caller_pinned_to_one_core_gives_its_ranks_that_core_and_one_thread():
+    """A job pinned to one core (taskset, or as here os.sched_setaffinity) after the worker server
+    started on every core: its ranks run on that core alone, one thread each (not cpu_count's)."""
+    code = ("import os, multiprocessing.forkserver as f, minipar, workers_launch as w\n"
+            "from minipar import server\n"
+            "server.context(); f.ensure_running()\n"
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "print(minipar.launch(w.threads_and_cores, 1), min(os.sched_getaffinity(0)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent)
+    *result, core = out.stdout.split(" ")
+    assert " ".join(result) == f"[(1, [{core.strip()}])]", out.stderr
 
 
 def test_ranks_that_do_no_collective_launch_on_a_busy_machine():

@@ -80,6 +80,10 @@ def backend_and_threads():
     return dist.get_backend(), torch.get_num_threads()
 
 
+def threads_and_cores():
+    return torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+
+
 def mesh_groups(dp, tp, pp):
     """This rank's coordinates and the global ranks of its three groups."""
     from minipar import Mesh

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from minipar import comm
-from minipar.launch import launch
+from minipar.launch import cores, launch
 from minipar.model import GPTConfig
 from minipar.planner.cluster import Cluster, GiB
 from minipar.planner.layer_profile import micro_step
@@ -214,9 +214,7 @@ def with_links(cpu: CPU | None, probes: list[dict], machine: dict | None = None)
                 share=min(1.0, alone / statistics.median(p["together"] for p in probes)))
     if cpu is not None:
         return dataclasses.replace(cpu, **load)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os,
-                                                    "sched_getaffinity") else os.cpu_count() or 1
-    return CPU(cores=cores, **load, **machine)
+    return CPU(cores=len(cores()), **load, **machine)
 
 
 def measure(world: int, reps: int = 7, timeout: float = 120.0) -> CPU:
@@ -231,7 +229,7 @@ def measure(world: int, reps: int = 7, timeout: float = 120.0) -> CPU:
 
 
 def _cache_path(world: int) -> str:
-    key = f"{platform.node()}-{os.cpu_count()}-{torch.__version__}-{world}".replace(os.sep, "_")
+    key = f"{platform.node()}-{len(cores())}-{torch.__version__}-{world}".replace(os.sep, "_")
     return os.path.join(tempfile.gettempdir(), "minipar-calibration", f"{key}.json")
 
 
