@@ -13,12 +13,13 @@ import sys
 import allreduce  # bench/ is on sys.path (the script's folder), so workers import it by name too
 import ddp
 import pp
+import scheduler
 import search
 import tp
 import zero
 
 ENTRIES = {"allreduce": allreduce, "ddp": ddp, "zero": zero, "tp": tp, "pp": pp,
-           "search": search}
+           "search": search, "scheduler": scheduler}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 

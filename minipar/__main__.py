@@ -1,8 +1,9 @@
-"""Command line: `minipar train | plan | sample | lessons` (or `python -m minipar ...`; each takes
---help).
+"""Command line: `minipar train | plan | schedule | sample | lessons` (or `python -m minipar ...`;
+each takes --help).
 
   train    train a GPT in any layout on the bundled corpus, synthetic data or your own text
   plan     rank the layouts of a model on a GPU cluster by predicted step time
+  schedule simulate many training jobs on a shared cluster under scheduling policies
   sample   generate text from a checkpoint
   lessons  copy the lesson notebooks into a folder
 
@@ -25,11 +26,11 @@ from minipar.config import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.data import TOKENIZERS
 from minipar.launch import WorkerError, WorkerTimeout
 from minipar.server import torchrun_rank
-from minipar.lessons.viz import loss_curve
 from minipar.model import GPT, GPTConfig, sample
 from minipar.planner import NoFeasiblePlan, explain, format_table, plan
 from minipar.planner.cluster import Cluster
 from minipar.planner.gpu_time import WHOSE
+from minipar.scheduler import cli as schedule_cli
 from minipar.precision import DTYPES
 from minipar.train import NonFiniteLoss, train
 
@@ -207,6 +208,7 @@ def run_train(args) -> None:
                                             for k, v in mem.items()))
     if args.plot:
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        from minipar.lessons.viz import loss_curve   # matplotlib: only when a plot is asked
         loss_curve({par.label: res.losses}, val=res.val_losses).savefig(args.plot)
         print(f"loss curve saved to {args.plot}")
     data = res.data
@@ -318,9 +320,11 @@ def main(argv=None) -> None:
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line
     parser.add_argument("--version", action="version", version=f"minipar {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {"train": run_train, "plan": run_plan, "sample": run_sample, "lessons": run_lessons}
+    commands = {"train": run_train, "plan": run_plan, "sample": run_sample, "lessons": run_lessons,
+                "schedule": schedule_cli.run}
     for make in (train_parser, plan_parser, sample_parser, lessons_parser):
         make(sub)
+    schedule_cli.add_parser(sub, Help)
     args = parser.parse_args(argv)
     # what went wrong in one line, no traceback of ours: a bad configuration says what to change;
     # a rank's failure carries that rank's own traceback

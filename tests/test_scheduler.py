@@ -28,17 +28,19 @@ FLAT = {"m": {("a", 1): 1.0, ("a", 2): 2.0, ("b", 1): 0.5, ("b", 2): 1.0}}
 
 def test_a_lone_job_takes_its_startup_and_its_steps_at_its_rate():
     jobs = [job("j", 0.0, 1000)]
-    res = scheduler.simulate(jobs, {"a": 1, "b": 1}, "fifo", round_s=100, startup=7,
+    res = scheduler.simulate(jobs, {"a": 1, "b": 1}, "fifo", round_s=100,
+                             restart=lambda j, where, first: 7.0, stop=lambda j, where: 2.0,
                              rates=rates_for(jobs, FLAT))
-    assert res.jct["j"] == pytest.approx(7 + 1000 / 1.0)   # on the faster kind, a
-    assert res.segments == [("j", "a", 1, 0.0, pytest.approx(1007.0))]
-    assert res.restarts["j"] == 0 and res.utilization == pytest.approx(1007 / 2014)
+    # start-up, its steps on the faster kind (a), its last checkpoint and exit
+    assert res.jct["j"] == pytest.approx(7 + 1000 / 1.0 + 2)
+    assert res.segments == [("j", "a", 1, 0.0, pytest.approx(1009.0))]
+    assert res.restarts["j"] == 0 and res.utilization == pytest.approx(1009 / 2018)
 
 
 def test_fifo_keeps_arrival_order_and_never_preempts():
     jobs = [job(f"j{i}", 10.0 * i, 300 + 50 * i) for i in range(5)]
-    res = scheduler.simulate(jobs, {"a": 1}, "fifo", round_s=60, startup=0,
-                             rates=rates_for(jobs, FLAT))
+    res = scheduler.simulate(jobs, {"a": 1}, "fifo", round_s=60, restart=lambda *a: 0.0,
+                             stop=lambda j, where: 0.0, rates=rates_for(jobs, FLAT))
     starts = {name: start for name, _, _, start, _ in res.segments}
     assert [starts[j.name] for j in jobs] == sorted(starts.values())
     assert len(res.segments) == len(jobs) and sum(res.restarts.values()) == 0
@@ -47,8 +49,8 @@ def test_fifo_keeps_arrival_order_and_never_preempts():
 def test_fifo_lets_nobody_overtake_the_first_waiting_job():
     # j1 asks for 2 chips while j0 holds 1 of 2: the 1-chip j2 behind it must wait too
     jobs = [job("j0", 0.0, 500), job("j1", 1.0, 100, scale=2), job("j2", 2.0, 100)]
-    res = scheduler.simulate(jobs, {"a": 2}, "fifo", round_s=50, startup=0,
-                             rates=rates_for(jobs, FLAT))
+    res = scheduler.simulate(jobs, {"a": 2}, "fifo", round_s=50, restart=lambda *a: 0.0,
+                             stop=lambda j, where: 0.0, rates=rates_for(jobs, FLAT))
     starts = {name: start for name, _, _, start, _ in res.segments}
     assert starts["j2"] >= starts["j1"] >= res.finish["j0"]
 
@@ -56,26 +58,29 @@ def test_fifo_lets_nobody_overtake_the_first_waiting_job():
 def test_las_serves_the_least_served_queue_first():
     # j0 runs alone past the one-chip-hour threshold; j1 arrives and takes the chip at once
     jobs = [job("j0", 0.0, 20000), job("j1", 5000.0, 600)]
-    res = scheduler.simulate(jobs, {"a": 1}, "las", round_s=100, startup=0, restart=lambda j: 0,
-                             rates=rates_for(jobs, FLAT))
+    res = scheduler.simulate(jobs, {"a": 1}, "las", round_s=100, restart=lambda *a: 0.0,
+                             stop=lambda j, where: 0.0, rates=rates_for(jobs, FLAT))
     j1 = [s for s in res.segments if s[0] == "j1"]
     assert j1[0][3] == 5000.0 and res.finish["j1"] == 5600.0   # arrived at a round's start
     assert res.restarts["j0"] == 1 and res.finish["j0"] == 20600.0
     # below the threshold both are in the first queue: arrival order, no preemption
     jobs = [job("j0", 0.0, 3000), job("j1", 100.0, 600)]
-    res = scheduler.simulate(jobs, {"a": 1}, "las", round_s=100, startup=0,
-                             rates=rates_for(jobs, FLAT))
+    res = scheduler.simulate(jobs, {"a": 1}, "las", round_s=100, restart=lambda *a: 0.0,
+                             stop=lambda j, where: 0.0, rates=rates_for(jobs, FLAT))
     assert res.finish["j0"] == 3000.0 and res.restarts["j0"] == 0
 
 
-def test_a_restart_costs_what_restart_says_and_is_counted():
+def test_a_restart_costs_what_restart_and_stop_say_and_is_counted():
     jobs = [job("j0", 0.0, 20000), job("j1", 5000.0, 600)]
-    res = scheduler.simulate(jobs, {"a": 1}, "las", round_s=100, startup=3,
-                             restart=lambda j: 40.0, rates=rates_for(jobs, FLAT))
-    # j0: 4997 steps by 5000 s (3 s of start-up); j1 then runs 3 + 600 s, its chip idle until the
-    # round at 5700 s, when j0 pays its 40 s restart and does the other 15003 steps
-    assert res.finish["j1"] == 5603.0
-    assert res.finish["j0"] == pytest.approx(5700 + 40 + 20000 - (5000 - 3))
+    res = scheduler.simulate(jobs, {"a": 1}, "las", round_s=100,
+                             restart=lambda j, where, first: 3.0 if first else 40.0,
+                             stop=lambda j, where: 5.0, rates=rates_for(jobs, FLAT))
+    # j0: 4997 steps by 5000 s (3 s of start-up), then stopped: it holds the chip 5 s more while it
+    # saves, so j1 starts 5 s late, runs 3 + 600 s (+ 5 s of final save), and its chip idles until
+    # the round at 5700 s, when j0 pays its 40 s restart (its save long done), does the other
+    # 15003 steps and saves
+    assert res.finish["j1"] == 5608.0 + 5   # and its own last save
+    assert res.finish["j0"] == pytest.approx(5700 + 40 + 20000 - (5000 - 3) + 5)
     assert res.restarts == {"j0": 1, "j1": 0}
 
 

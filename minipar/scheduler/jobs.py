@@ -63,7 +63,7 @@ class Job:
 
 
 def elastic(scale: int) -> tuple:
-    """The counts an elastic job accepts: the powers of two from 1 to twice its scale (at most 16)."""
+    """The counts an elastic job accepts: powers of two from 1 to twice its scale (at most 16)."""
     return tuple(1 << i for i in range(5) if 1 << i <= min(2 * scale, 16))
 
 
@@ -122,7 +122,7 @@ def read_trace(path: str, seed: int = 0, types=TYPES, rate=None, reference: str 
 
 
 def _pai(path) -> list[tuple]:
-    """(name, submit s, duration s, GPUs) of each terminated task with a GPU; a job's tasks summed."""
+    """(name, submit s, duration s, GPUs) of each terminated job with a GPU, its tasks summed."""
     jobs: dict[str, list] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):

@@ -16,7 +16,8 @@ far, the cluster's chips, the throughput matrix) to an allocation {job name: (ki
                     sum_j scale_j x[j, k] <= chips_k, per job sum_k x[j, k] <= 1
                     (then, water-filling, the most total throughput that keeps that optimum)
     max-min-blind   the same fairness blind to kinds: every chip alike, so each job gets the equal
-                    time share min(1, chips / sum of scales), on the kind with the most chips free
+                    time share min(1, chips / sum of scales), where it ran last if there is room,
+                    else on the kind with the most chips free
     max-throughput  Gavel's total-throughput policy: the same constraints, maximising the sum of
                     each job's throughput over its best rate
     minipar         chooses each job's kind, count (among those it accepts) and so its layout
@@ -51,12 +52,26 @@ class JobState:
     received: dict = field(default_factory=dict)   # {(kind, count): rounds held}
     age: int = 0                    # rounds present before this one
     owed: float = 0.0               # restart seconds still to pay
+    tailed: float = 0.0             # seconds of its final checkpoint and exit done
     never_ran: bool = True
     contention: float = 0.0         # sum over its rounds of the cluster's contention
 
     @property
     def remaining(self) -> float:
         return self.job.steps - self.done
+
+    def assign(self, where) -> str | None:
+        """Take this round's allocation (kind, count) or None. Returns "first" or "restart" when
+        the job starts on `where` now (its first start; or again, after a pause or on other
+        chips: a restart from its checkpoint), else None."""
+        self.age += 1
+        start = None
+        if where is not None and where != self.current:
+            start, self.never_ran = "first" if self.never_ran else "restart", False
+        self.current = where
+        if where is not None:
+            self.received[where] = self.received.get(where, 0) + 1
+        return start
 
 
 @dataclass
@@ -187,8 +202,8 @@ def _solve(view: Round, elastic: bool, objective: str, fairness: float = 0.0) ->
 
 
 def _rounded(view: Round, fractions: dict, blind: bool = False) -> dict:
-    """Gavel's rounds from fractions (module docstring), then the free chips filled (blind: on the
-    kind with the most chips free, else the fastest)."""
+    """Gavel's rounds from fractions (module docstring), then the free chips filled (blind: where it
+    ran last or on the kind with the most chips free; else the fastest)."""
     def priority(s, cfg, x):
         if cfg[0] == "*":   # blind: any kind, its rounds at that count
             got = sum(v for (_, n), v in s.received.items() if n == cfg[1])
@@ -203,9 +218,11 @@ def _rounded(view: Round, fractions: dict, blind: bool = False) -> dict:
 
     def place(s, cfg) -> None:
         kind, count = cfg
-        if kind == "*":   # blind: the kind with the most chips free (speeds unseen)
-            kind = max((k for k in view.capacity if free[k] >= count and
-                        view.rate(s, k, count) > 0), key=free.get, default=None)
+        if kind == "*":   # blind: where it ran last if there is room, else the kind with the
+            # most chips free (speeds unseen)
+            room = [k for k in view.capacity if free[k] >= count and view.rate(s, k, count) > 0]
+            kind = s.current[0] if s.current and s.current[0] in room else \
+                max(room, key=free.get, default=None)
         if kind is not None and free[kind] >= count and view.rate(s, kind, count) > 0:
             alloc[s.job.name] = (kind, count)
             free[kind] -= count

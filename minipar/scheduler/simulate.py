@@ -4,14 +4,16 @@ Time moves in rounds of `round_s` (Gavel's 360 s). At each round's start the job
 are shown to the policy (policies.py), which returns an allocation, {job name: (kind, count)}; the
 simulator checks it (no kind over its chips, counts the job accepts, a rate above 0) and runs the
 round: each allocated job progresses at its rate there (the throughput matrix, steps/s). A job whose
-allocation differs from its last round's was preempted or moved: it first pays a restart (its
-checkpoint saved and loaded, processes started: throughput.restart_seconds; the first start pays the
-start-up alone), owed across rounds if longer than one. A job that finishes mid-round leaves its
-chips idle until the next round, as in Gavel.
+allocation differs from its last round's was preempted or moved: its chips stay held while it saves
+its checkpoint (`stop`; a finishing job's last checkpoint and exit take as long), and when it starts
+again it pays a restart (processes started, the checkpoint loaded; the first start pays the start-up
+alone), owed across rounds if longer than one; a job that starts on chips another job is leaving
+waits for that one's save too. A job that finishes mid-round leaves its chips idle until the next
+round, as in Gavel.
 
 Metrics (`Result`): each job's completion time (JCT, arrival to finish), their mean and 99th
-percentile, the makespan (first arrival to last finish), utilisation (chip-seconds allocated over the
-cluster's chip-seconds up to the makespan) and finish-time fairness (Themis, Mahajan et al. NSDI
+percentile, the makespan (first arrival to last finish), utilisation (chip-seconds allocated over
+the cluster's chip-seconds up to the makespan) and finish-time fairness (Themis, Mahajan et al. NSDI
 2020): rho = JCT / (the job's time alone on its best kind at its scale x the cluster's contention
 while it was there, max(1, chips asked by the jobs present / chips)); rho <= 1 means the job did at
 least as well as an equal share of a contended cluster would give.
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from minipar.scheduler import policies
-from minipar.scheduler.throughput import STARTUP_S, capacity, restart_seconds, throughput_matrix
+from minipar.scheduler.throughput import STARTUP_S, capacity, checkpoint_seconds, throughput_matrix
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Result:
     rounds: int = 0
     policy: str = ""
     capacity: dict = field(default_factory=dict)
+    rates: dict = field(default_factory=dict, repr=False)   # the throughput matrix used
 
     @property
     def avg_jct(self) -> float:
@@ -62,30 +65,24 @@ class Result:
 
 
 def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=None,
-             restart=None, startup: float = STARTUP_S, **options) -> Result:
+             restart=None, stop=None, **options) -> Result:
     """Run `jobs` on `cluster` ({kind: chips} or a Cluster) under `policy` (policies.POLICIES; its
     options, e.g. fairness= for "minipar"). rates: the throughput matrix (default: the planner's,
-    throughput_matrix); restart(job) -> s a resume costs (default throughput.restart_seconds);
-    startup: s a first start costs."""
-    if policy not in policies.POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(policies.POLICIES)}")
-    if not round_s > 0:
-        raise ValueError(f"round_s must be positive seconds, got {round_s!r}")
-    jobs = sorted(jobs, key=lambda j: j.arrival)
-    if len({j.name for j in jobs}) != len(jobs) or not jobs:
-        raise ValueError("jobs must be a non-empty list with distinct names")
+    throughput_matrix); restart(job, (kind, count), first) -> seconds a start on those chips costs,
+    `first` for the job's first; stop(job, (kind, count)) -> seconds a stopped or moved job still
+    holds those chips (its checkpoint written, its processes gone): whoever starts on that kind in
+    that round waits for them, and so does the job itself (its load follows its save). Defaults:
+    gpu_restart, gpu_stop."""
     caps = capacity(cluster)
+    jobs = sorted(jobs, key=lambda j: j.arrival)
     rates = rates if rates is not None else throughput_matrix(jobs, caps)
-    restart = restart or (lambda job: restart_seconds(job.kind))
-    for job in jobs:
-        if not any(rates[job.name].get((k, job.scale), 0) > 0 for k in caps):
-            raise ValueError(f"job {job.name} ({job.model}, batch {job.global_batch}) fits on "
-                             f"no kind of {sorted(caps)} at the {job.scale} chips it asks for")
+    _check(jobs, caps, rates, policy, round_s)
+    restart, stop = restart or gpu_restart, stop or gpu_stop
     pick = policies.POLICIES[policy]
     chips = sum(caps.values())
     pending, active = collections.deque(jobs), []
     out = Result({}, {}, [], {j.name: 0 for j in jobs}, {}, 0.0, 0.0, policy=policy,
-                 capacity=caps)
+                 capacity=caps, rates=rates)
     held, t = 0.0, 0.0
     while pending or active:
         while pending and pending[0].arrival <= t:
@@ -98,37 +95,82 @@ def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=
         policies.check(view, alloc)
         out.rounds += 1
         asked = max(1.0, sum(s.job.scale for s in active) / chips)
+        leaving, stopping = {}, {}   # kind: the longest stop on it; job: its own stop
         for s in active:
-            s.age, s.contention = s.age + 1, s.contention + asked
+            if s.current is not None and alloc.get(s.job.name) != s.current:
+                stopping[s.job.name] = stop(s.job, s.current)
+                kind = s.current[0]
+                leaving[kind] = max(leaving.get(kind, 0.0), stopping[s.job.name])
+        for s in active:
+            s.contention += asked
             where = alloc.get(s.job.name)
-            if where != s.current:
-                restarted = where is not None and not s.never_ran
-                s.owed = restart(s.job) if restarted else startup if where else 0.0
-                out.restarts[s.job.name] += restarted
-                s.current = where
-            if where is None:
-                continue
-            s.never_ran = False
-            s.received[where] = s.received.get(where, 0) + 1
-            r = rates[s.job.name][where]
-            busy = min(round_s, s.owed + s.remaining / r)
-            s.done = min(s.job.steps, s.done + max(0.0, busy - s.owed) * r)
-            s.owed = max(0.0, s.owed - busy)
-            s.attained += where[1] * busy
-            held += where[1] * busy
-            out.segments.append((s.job.name, where[0], where[1], t, t + busy))
-            if s.remaining <= 1e-9 * s.job.steps:
-                out.finish[s.job.name] = t + busy
-                out.jct[s.job.name] = t + busy - s.job.arrival
-                alone = s.job.steps / max(rates[s.job.name].get((k, s.job.scale), 0.0)
-                                          for k in caps)
-                out.ftf[s.job.name] = out.jct[s.job.name] / (alone * s.contention / s.age)
+            start = s.assign(where)
+            if start:
+                s.owed = max(leaving.get(where[0], 0.0), stopping.get(s.job.name, 0.0)) + \
+                    restart(s.job, where, start == "first")
+                out.restarts[s.job.name] += start == "restart"
+            if where is not None:
+                held += where[1] * _play(s, rates[s.job.name][where], t, round_s,
+                                         stop(s.job, where), out)
         active = [s for s in active if s.job.name not in out.finish]
         t += round_s
     out.makespan = max(out.finish.values()) - jobs[0].arrival
     out.utilization = held / (chips * out.makespan)
     out.segments = _merged(out.segments)
     return out
+
+
+def _check(jobs: list, caps: dict, rates: dict, policy: str, round_s: float) -> None:
+    """ValueError for what cannot be simulated: before any round runs."""
+    if policy not in policies.POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(policies.POLICIES)}")
+    if not round_s > 0:
+        raise ValueError(f"round_s must be positive seconds, got {round_s!r}")
+    if len({j.name for j in jobs}) != len(jobs) or not jobs:
+        raise ValueError("jobs must be a non-empty list with distinct names")
+    for job in jobs:
+        if not any(rates[job.name].get((k, job.scale), 0) > 0 for k in caps):
+            raise ValueError(f"job {job.name} ({job.model}, batch {job.global_batch}) fits on "
+                             f"no kind of {sorted(caps)} at the {job.scale} chips it asks for")
+
+
+def _play(s, rate: float, t: float, round_s: float, tail: float, out: Result) -> float:
+    """Job s's round from t at `rate` steps/s on its chips, the round's seconds spent in order on
+    its owed restart, its steps, then (the last done) its final checkpoint and exit, `tail` s in
+    all; records its segment (and its completion, if it comes); returns the seconds it held them."""
+    left = round_s
+    for phase in ("restart", "steps", "tail"):
+        need = {"restart": s.owed, "steps": s.remaining / rate, "tail": tail - s.tailed}[phase]
+        spent = min(left, need)
+        if phase == "restart":
+            s.owed -= spent
+        elif phase == "steps":
+            s.done = s.job.steps if spent == need else s.done + spent * rate
+        else:
+            s.tailed = tail if spent == need else s.tailed + spent
+        left -= spent
+        if spent < need:
+            break
+    busy = round_s - left
+    s.attained += s.current[1] * busy
+    out.segments.append((s.job.name, *s.current, t, t + busy))
+    if s.done == s.job.steps and s.tailed == tail:
+        name, alone = s.job.name, s.job.steps / max(
+            r for (_, n), r in out.rates[s.job.name].items() if n == s.job.scale)
+        out.finish[name], out.jct[name] = t + busy, t + busy - s.job.arrival
+        out.ftf[name] = out.jct[name] / (alone * s.contention / s.age)
+    return busy
+
+
+def gpu_restart(job, where, first: bool) -> float:
+    """A start's cost on GPUs (throughput.py): the start-up, and for a resume the checkpoint's
+    load."""
+    return STARTUP_S + (0.0 if first else checkpoint_seconds(job.kind))
+
+
+def gpu_stop(job, where) -> float:
+    """A stop's cost on GPUs: the checkpoint's save (throughput.py)."""
+    return checkpoint_seconds(job.kind)
 
 
 def _merged(segments: list) -> list:

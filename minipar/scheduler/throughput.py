@@ -1,5 +1,5 @@
-"""The throughput matrix: each job type's steps/s on each accelerator kind and count, with the layout
-that achieves it, from minipar's planner; and the cost of a restart.
+"""The throughput matrix: each job type's steps/s on each accelerator kind and count, with the
+layout that achieves it, from minipar's planner; and the cost of a restart.
 
 Gavel, Sia and their kind need a job's throughput on every accelerator kind and count; they profile
 it. minipar's planner predicts it: `rate(job type, kind, count)` is 1 / the step time of
@@ -11,11 +11,11 @@ ParallelConfig is how the job runs there: a new allocation means a new layout).
 factor)": {"null": steps/s}}}, "null" being the job alone on those workers), so Gavel's simulator
 and others that read it can consume minipar's predictions.
 
-A restart (a preempted job resumed, perhaps in another layout) costs, stated and assumed:
-    restart_s = STARTUP_S + 12 P / STORAGE_RATE (the save: fp32 weights and Adam's two moments,
-                gathered to one rank and written) + 12 P / STORAGE_RATE (the load: every rank reads
-                the file, the storage serving each node at that rate)
-for P parameters (checkpoint.py's file). The first start pays STARTUP_S alone.
+A preemption (a job stopped, then resumed, perhaps elsewhere in another layout) costs, stated and
+assumed, for P parameters (checkpoint.py's file: fp32 weights and Adam's two moments):
+    stop     12 P / STORAGE_RATE: the checkpoint gathered to one rank and written
+    restart  STARTUP_S + 12 P / STORAGE_RATE: processes started, the file read by every rank (the
+             storage serving each node at that rate); the first start pays STARTUP_S alone
 """
 from __future__ import annotations
 
@@ -85,10 +85,9 @@ def rate(job_type: tuple, kind: str, count: int) -> float:
     return 0.0 if est is None else 1.0 / est.step_time
 
 
-def restart_seconds(job_type: tuple) -> float:
-    """What a resume costs (module docstring): start-up, the checkpoint's save and its load."""
-    params = GPTConfig.preset(job_type[0]).num_params
-    return STARTUP_S + 2 * CHECKPOINT_BYTES * params / STORAGE_RATE
+def checkpoint_seconds(job_type: tuple) -> float:
+    """Seconds to write, or to read, job_type's checkpoint (module docstring)."""
+    return CHECKPOINT_BYTES * GPTConfig.preset(job_type[0]).num_params / STORAGE_RATE
 
 
 def throughput_matrix(jobs, cluster, rate=rate) -> dict:
