@@ -38,7 +38,9 @@ from minipar.config import ParallelConfig
 from minipar.scheduler import policies
 from minipar.scheduler.simulate import simulate
 
-LR, SEED = 3e-3, 0   # every job's learning rate and seed (the data: synthetic)
+LR, SEED = 1e-3, 0   # every job's learning rate and seed (the data: synthetic). At 3e-3 the tiny
+                    # model amplifies summation order (gradient accumulation alone) to 2% of the
+                    # loss by step 150; at 1e-3 every layout stays within 1e-5 of one process
 
 
 def cores_of(machine: dict) -> dict:
