@@ -70,9 +70,9 @@ class TrainResult:
     preempted: int = 0                  # steps done when the stop file stopped it (0: it did not)
 
     def summary(self) -> str:
-        what = "peak memory over a step" if self.step_peak else "memory after a step"
-        fullest = max(sum(m[c] for c in memory.CATEGORIES)
-                      for m in [p["held"] for p in self.step_peak] or self.peak_memory)
+        held = [p["held"] for p in self.step_peak if p]   # none: stopped before the watched step
+        what = "peak memory over a step" if held else "memory after a step"
+        fullest = max(sum(m[c] for c in memory.CATEGORIES) for m in held or self.peak_memory)
         val = f" (validation {self.val_losses[-1][1]:.3f})" if self.val_losses else ""
         against = f"\nMFU is against {self.peak.source}" if self.peak else ""
         stop = f" (preempted: stopped after step {self.preempted})" if self.preempted else ""

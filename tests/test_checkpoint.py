@@ -169,3 +169,11 @@ def test_a_preempted_run_resumed_in_another_layout_ends_as_the_uninterrupted_run
 def test_a_stop_file_needs_a_checkpoint_to_save():
     with pytest.raises(ValueError, match="stop_file needs save"):
         minipar.train(TINY, ParallelConfig(dp=2), steps=3, stop_file="stop", **KW)
+
+
+def test_a_run_stopped_after_its_first_step_still_summarises(tmp_path):
+    """Stopped before the step a Tracker watches (the second), a run has no step peak: its summary
+    (what `minipar train` prints as it exits) reports the memory after a step instead."""
+    stopped, _ = preempted(tmp_path, ParallelConfig(), after=1)
+    assert stopped.preempted == 1 and stopped.step_peak == [{}]
+    assert "memory after a step" in stopped.summary() and "stopped after step 1" in stopped.summary()
