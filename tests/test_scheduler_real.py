@@ -73,7 +73,7 @@ def prediction_holds(measured, planned, off):
 def test_a_job_shrinks_and_grows_in_another_layout_and_trains_as_one_process(costs, tmp_path):
     # A alone takes both cores (dp2); B's arrival shrinks it to one (a single process), B's end
     # grows it back: two restarts, each resuming the checkpoint in the other layout
-    jobs = [Job("A", "tiny", 64, 150, 0.0, 2, (1, 2)), Job("B", "tiny", 64, 50, 5.0, 1, (1, 2))]
+    jobs = [Job("A", "tiny", 64, 120, 0.0, 2, (1, 2)), Job("B", "tiny", 64, 40, 5.0, 1, (1, 2))]
     measured, planned, off = check_trace(jobs, CORES, "minipar", costs, tmp_path)
     a = [(count, label) for name, _, count, _, _, label in measured.segments if name == "A"]
     assert [count for count, _ in a] == [2, 1, 2] and a[0][1] != a[1][1]
@@ -84,7 +84,7 @@ def test_a_job_shrinks_and_grows_in_another_layout_and_trains_as_one_process(cos
 def test_a_job_moves_to_a_faster_emulated_kind_and_trains_as_one_process(costs, tmp_path):
     # least attained service, arrival order within its first queue: A holds the fast core, B the
     # slow one (throttled 2x) until A ends, then B moves to the fast one (a restart)
-    jobs = [Job("A", "tiny", 64, 60, 0.0, 1), Job("B", "tiny", 64, 80, 1.0, 1)]
+    jobs = [Job("A", "tiny", 64, 40, 0.0, 1), Job("B", "tiny", 64, 60, 1.0, 1)]
     measured, planned, off = check_trace(jobs, KINDS, "las", costs, tmp_path)
     b = [kind for name, kind, *_ in measured.segments if name == "B"]
     assert b == ["slow", "fast"] and measured.restarts == {"A": 0, "B": 1}

@@ -61,6 +61,12 @@ class Job:
         """The job's type: what its throughput depends on."""
         return self.model, self.global_batch
 
+    @property
+    def tokens(self) -> int:
+        """Tokens it trains on: steps x global batch x the model's sequence length."""
+        from minipar.model import GPTConfig
+        return self.steps * self.global_batch * GPTConfig.preset(self.model).seq_len
+
 
 def elastic(scale: int) -> tuple:
     """The counts an elastic job accepts: powers of two from 1 to twice its scale (at most 16)."""
