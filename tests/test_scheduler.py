@@ -237,3 +237,23 @@ def test_gavels_direction_heterogeneity_aware_max_min_beats_the_blind_one():
         aware, blind = (scheduler.simulate(jobs, cluster, p, rates=matrix).avg_jct
                         for p in ("max-min", "max-min-blind"))
         assert aware < blind, per_hour
+
+
+def test_the_schedule_command_prints_each_policys_metrics(capsys, tmp_path):
+    from minipar.__main__ import main
+    main(["schedule", "--jobs", "6", "--jobs-per-hour", "10", "--cluster", "dgx-h100:8",
+          "--policy", "fifo,minipar", "--gavel-json", str(tmp_path / "t.json")])
+    out = capsys.readouterr()[0].splitlines()
+    assert out[-3].split()[:3] == ["policy", "avg", "JCT"]
+    assert [line.split()[0] for line in out[-2:]] == ["fifo", "minipar"]
+    assert "dgx-h100" in json.loads((tmp_path / "t.json").read_text())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cluster", "h100"], "kind:chips pairs"), (["--cluster", "k80:4"], "unknown kind 'k80'"),
+    (["--policy", "srtf"], "unknown policy 'srtf'"), (["--trace", "nowhere.csv"], "no such file"),
+    (["--fairness", "2"], "--fairness must be in")])
+def test_a_bad_schedule_request_is_one_line_before_any_planning(args, message):
+    from minipar.__main__ import main
+    with pytest.raises(SystemExit, match=f"^error: .*{message}"):
+        main(["schedule", *args])
