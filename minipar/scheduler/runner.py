@@ -134,31 +134,44 @@ def command(job, par: ParallelConfig, slowdown: float, folder: str, resume: bool
     return args + ["--sequence-parallel"] * par.sequence_parallel
 
 
-def measure_costs(machine: dict, model: str = "tiny", batch: int = 8) -> dict:
+def measure_costs(machine: dict, model: str = "tiny", batch: int = 8, repeats: int = 2,
+                  timeout: float = 120.0) -> dict:
     """{slots: (start s, stop s)} of a job here on that many cores: a probe job started (its wall
     time to the end of its first step, less the step: the process, imports, workers, data), then
     stopped by its stop file (the seconds to its exit: the step it is in, its checkpoint, its
-    processes gone). One probe per count the machine's kinds can hold (1 and the most)."""
+    processes gone). Per count the machine's kinds can hold (1 and the most), the fastest of
+    `repeats` probes (the first may read files no process has read yet); a probe that fails or
+    outlasts `timeout` s is an error, and leaves no process behind."""
+    counts = sorted({1, max(s for s, _ in machine.values())})
+    return {n: tuple(map(min, zip(*(_probe(machine, n, model, batch, timeout)
+                                    for _ in range(repeats))))) for n in counts}
+
+
+def _probe(machine: dict, n: int, model: str, batch: int, timeout: float) -> tuple:
+    """One probe on n cores (`measure_costs`): (start s, stop s)."""
     from minipar.scheduler.jobs import Job
-    out, first = {}, [c for cs in cores_of(machine).values() for c in cs]
-    for n in sorted({1, max(s for s, _ in machine.values())}):
-        with tempfile.TemporaryDirectory() as folder:
-            job = Job("probe", model, batch, 10 ** 6, 0.0, n)
-            t = time.monotonic()
-            proc = subprocess.Popen(command(job, ParallelConfig(dp=n), 1.0, folder, False),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                    preexec_fn=_pinned(first[:n]), start_new_session=True)
-            while not _metrics(folder, "probe") and proc.poll() is None:
+    first = [c for cs in cores_of(machine).values() for c in cs]
+    with tempfile.TemporaryDirectory() as folder:
+        job = Job("probe", model, batch, 10 ** 6, 0.0, n)
+        t = time.monotonic()
+        proc = subprocess.Popen(command(job, ParallelConfig(dp=n), 1.0, folder, False),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                preexec_fn=_pinned(first[:n]), start_new_session=True)
+        try:
+            while not _metrics(folder, "probe") and proc.poll() is None and \
+                    time.monotonic() - t < timeout:
                 time.sleep(0.005)
             started = time.monotonic() - t
             stop = time.monotonic()
             open(f"{folder}/probe.stop", "w").close()
-            if proc.wait(timeout=120):
+            if proc.wait(timeout=timeout):
                 raise RuntimeError(f"the probe job on {n} cores failed")
-            with open(f"{folder}/probe.jsonl") as f:
-                step = json.loads(f.readline())["step_time"]
-            out[n] = (started - step, time.monotonic() - stop)
-    return out
+            stopped = time.monotonic() - stop
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return started - _metrics(folder, "probe")[0]["step_time"], stopped
 
 
 @dataclass
