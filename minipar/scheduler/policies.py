@@ -152,51 +152,46 @@ def _configs(view: Round, s: JobState, elastic: bool) -> list:
 def _solve(view: Round, elastic: bool, objective: str, fairness: float = 0.0) -> dict:
     """Fractions {job name: {(kind, count): x}}: "max-min" (the least normalised throughput) or
     "sum" (total throughput over each job's best rate; with fairness > 0, every job's normalised
-    throughput kept >= fairness x the max-min optimum)."""
+    throughput kept >= fairness x the max-min optimum). Variables: x per (class, config)."""
     from scipy.optimize import linprog
 
-    classes = _classes(view, elastic)
+    groups = list(_classes(view, elastic).values())
     chips = sum(view.capacity.values())
     share = min(1.0, chips / sum(s.job.scale for s in view.jobs))
-    cols, members, norm, best = [], [], [], []   # cols: (class index, config)
-    for c, group in enumerate(classes.values()):
+    cols, norm, best = [], [], []   # cols: (class index, config)
+    for c, group in enumerate(groups):
         s = group[0]
         configs = _configs(view, s, elastic)
         cols += [(c, cfg) for cfg in configs]
-        members.append(len(group))
-        at_scale = [view.rate(s, k, s.job.scale) for k in view.capacity
-                    if view.rate(s, k, s.job.scale) > 0]
-        norm.append(share * sum(at_scale) / len(at_scale))
+        fit = [view.rate(s, k, s.job.scale) for k in view.capacity
+               if view.rate(s, k, s.job.scale) > 0]
+        norm.append(share * sum(fit) / len(fit))   # its rate with an equal share of the cluster
         best.append(max(view.rate(s, *cfg) for cfg in configs))
-    n, kinds = len(cols), list(view.capacity)
-    rate = [view.rate(list(classes.values())[c][0], *cfg) for c, cfg in cols]
-    rows, bounds = [], []
-    for c in range(len(classes)):   # a job's fractions sum to at most 1
-        rows.append([1.0 if cc == c else 0.0 for cc, _ in cols]), bounds.append(1.0)
-    for k in kinds:                  # a kind's chips
-        rows.append([members[c] * cfg[1] if cfg[0] == k else 0.0 for c, cfg in cols])
-        bounds.append(float(view.capacity[k]))
-    value = [rate[i] / norm[c] for i, (c, _) in enumerate(cols)]
-
-    def maxmin():
-        a = [r + [0.0] for r in rows] + [[-value[i] if cc == c else 0.0 for i, (cc, _) in
-                                          enumerate(cols)] + [1.0] for c in range(len(classes))]
-        res = linprog([0.0] * n + [-1.0], A_ub=a, b_ub=bounds + [0.0] * len(classes),
-                      bounds=[(0, None)] * (n + 1), method="highs")
-        return res.x[:n], res.x[n]
-
-    x, z = maxmin()
+    rate = [view.rate(groups[c][0], *cfg) for c, cfg in cols]
+    value = [rate[i] / norm[c] for i, (c, _) in enumerate(cols)]   # normalised throughput
+    rows = [[1.0 if cc == c else 0.0 for cc, _ in cols] for c in range(len(groups))]  # sum x <= 1
+    rows += [[len(groups[c]) * n if kind == k else 0.0 for c, (kind, n) in cols]
+             for k in view.capacity]                                           # a kind's chips
+    bounds = [1.0] * len(groups) + [float(chips_k) for chips_k in view.capacity.values()]
+    # a class's normalised throughput, negated: -(value . x) <= -floor keeps it above a floor
+    floor = [[-value[i] if cc == c else 0.0 for i, (cc, _) in enumerate(cols)]
+             for c in range(len(groups))]
+    x, z = None, 0.0
+    if objective == "max-min" or fairness > 0:   # maximise z subject to value . x >= z
+        res = linprog([0.0] * len(cols) + [-1.0], A_ub=[r + [0.0] for r in rows] +
+                      [r + [1.0] for r in floor], b_ub=bounds + [0.0] * len(groups),
+                      bounds=[(0, None)] * (len(cols) + 1), method="highs")
+        x, z = res.x[:-1], res.x[-1]
     if objective == "sum":
-        floor = [[-value[i] if cc == c else 0.0 for i, (cc, _) in enumerate(cols)]
-                 for c in range(len(classes))]
-        res = linprog([-members[c] * rate[i] / best[c] for i, (c, _) in enumerate(cols)],
-                      A_ub=rows + floor * (fairness > 0),
-                      b_ub=bounds + [-fairness * z * (1 - 1e-6)] * len(classes) * (fairness > 0),
-                      bounds=[(0, None)] * n, method="highs")
-        x = res.x
+        extra = floor if fairness > 0 else []
+        res = linprog([-len(groups[c]) * rate[i] / best[c] for i, (c, _) in enumerate(cols)],
+                      A_ub=rows + extra,
+                      b_ub=bounds + [-fairness * z * (1 - 1e-6)] * len(extra),
+                      bounds=[(0, None)] * len(cols), method="highs")
+        x = res.x if res.status == 0 else x   # (numerically infeasible: keep the max-min one)
     fractions = {s.job.name: {} for s in view.jobs}
     for i, (c, cfg) in enumerate(cols):
-        for s in list(classes.values())[c]:
+        for s in groups[c]:
             fractions[s.job.name][cfg] = x[i]
     return fractions
 
