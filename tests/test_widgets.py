@@ -252,3 +252,44 @@ def test_bucket_overlap_draws_the_prediction_of_demos_dp():
     before = _png(box)
     box.controls["bucket_mb"].value = 2.0**-12                          # 256 B: every tensor alone
     assert _png(box) != before and "4 buckets" in box.out.outputs[-1]["text"]
+
+
+def test_the_schedule_widget_draws_the_simulators_result():
+    """Lesson 10's widget: a trace, a cluster mix and a policy picked; what it prints is
+    scheduler.simulate's Result for them (a made-up throughput matrix: no planner runs), a mix a
+    job cannot run on says why, and a Result already simulated is drawn, not simulated again."""
+    import numpy as np
+
+    from minipar import scheduler
+    from minipar.lessons import viz_scheduler, widgets
+
+    speed = {"dgx-h100": 2.0, "dgx-a100-80g": 1.0, "tpu-v5e": 0.5}   # (the trace's reference: A100)
+    rate = lambda job_type, kind, n: speed[kind] * n   # noqa: E731
+    traces = {"gen": scheduler.generate(8, 20, seed=0, rate=rate),
+              "other": scheduler.generate(6, 20, seed=1, rate=rate)}
+    clusters = {"mix": {"dgx-h100": 8, "tpu-v5e": 8}, "tiny": {"dgx-h100": 1}}
+
+    def want(trace, cluster, policy):
+        jobs, caps = traces[trace], clusters[cluster]
+        return scheduler.simulate(jobs, caps, policy,
+                                  rates=scheduler.throughput_matrix(jobs, caps, rate=rate))
+
+    box = widgets.schedule(traces, clusters, policy="las", rate=rate)
+    assert box.out.outputs[-1]["text"].strip() == viz_scheduler.metrics(want("gen", "mix", "las"))
+    before = _png(box)
+    box.controls["policy"].value = "fifo"
+    assert box.out.outputs[-1]["text"].strip() == viz_scheduler.metrics(want("gen", "mix", "fifo"))
+    assert _png(box) != before
+    box.controls["trace"].value = "other"
+    assert "fifo: average JCT" in box.out.outputs[-1]["text"]
+    box.controls["cluster"].value = "tiny"   # a job asks for more than 1 chip
+    assert "fits on no kind" in box.out.outputs[-1]["text"] and not _png(box)
+    seeded = widgets.schedule(traces, clusters, policy="las", rate=rate,
+                              done={("gen", "mix", "las"): want("gen", "mix", "minipar")})
+    assert seeded.out.outputs[-1]["text"].startswith("minipar: average JCT")
+    # what the occupancy panel draws adds up to the utilisation the Result reports
+    res = want("gen", "mix", "minipar")
+    times = np.unique([0.0, *(s[3] for s in res.segments), *(s[4] for s in res.segments)])
+    chip_s = sum(float(np.sum(viz_scheduler.held(res.segments, k, times[:-1]) * np.diff(times)))
+                 for k in res.capacity)
+    assert chip_s == pytest.approx(res.utilization * 16 * res.makespan, rel=1e-9)

@@ -1,7 +1,8 @@
-"""Something to play with in lessons 01, 02, 03, 04 and 06: ipywidgets controls over minipar's own
-formulas. No processes, and a change redraws at once. Each widget returns an ipywidgets VBox, with
-its controls in `.controls`, its Output in `.out` and its redraw in `.redraw`. Under each widget
-is the pure function that computes what it draws, so tests can check the numbers without a browser.
+"""Something to play with in lessons 01, 02, 03, 04, 06 and 10: ipywidgets controls over minipar's
+own formulas (and, in 10, its simulator). No processes, and a change redraws at once. Each widget
+returns an ipywidgets VBox, with its controls in `.controls`, its Output in `.out` and its redraw
+in `.redraw`. Under each widget is the pure function that computes what it draws, so tests can
+check the numbers without a browser.
 
     bucket_overlap(...)        (01) each bucket's all-reduce on a timeline against backward, by
       bucket_timeline(...)          bucket size and link: demos_dp.predict_exposed at
@@ -15,6 +16,9 @@ is the pure function that computes what it draws, so tests can check the numbers
     layout_3d_widget(world)    (06) a dp x tp x pp layout of a world, valid factorisations only:
       layout_3d(dp, tp, pp)         each rank's Mesh coordinates and its groups, on viz_3d's grid
       factorisations(world)
+    schedule(traces, clusters) (10) a trace, a cluster mix and a policy: scheduler.simulate's
+                                    Result as a Gantt chart over each kind's occupancy, with its
+                                    metrics (viz_scheduler.panel)
 """
 from __future__ import annotations
 
@@ -23,9 +27,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from minipar import memory
+from minipar import memory, scheduler
 from minipar.data_parallel import split
-from minipar.lessons import viz_3d
+from minipar.lessons import viz_3d, viz_scheduler
 from minipar.lessons.demos_dp import backward_per_bucket, predict_exposed
 from minipar.lessons.explorer_html import png, text
 from minipar.mesh import Mesh
@@ -346,3 +350,32 @@ def layout_3d_widget(world: int = 8, layout: tuple[int, int, int] = (2, 2, 2)) -
     size.observe(on_world, names="value")
     box.controls = {"layout": pick, "world": size}
     return box
+
+
+# ----------------------------------------------------------------------------- 10: scheduling
+
+def schedule(traces: dict, clusters: dict, trace: str | None = None, cluster: str | None = None,
+             policy: str = "minipar", rate=None, done: dict | None = None) -> w.VBox:
+    """A trace ({name: jobs}), a cluster mix ({name: {kind: chips}}) and a policy picked:
+    `scheduler.simulate`'s Result drawn (viz_scheduler.panel), or why it cannot run. rate(job
+    type, kind, count): the throughput matrix's (default: the planner's, scheduler.rate); done:
+    {(trace, cluster, policy): Result} already simulated, where each new one is kept too."""
+    done = {} if done is None else done
+
+    def draw(trace: str, cluster: str, policy: str) -> list:
+        key = (trace, cluster, policy)
+        if key not in done:
+            jobs, caps = traces[trace], clusters[cluster]
+            try:
+                matrix = scheduler.throughput_matrix(jobs, caps, rate=rate or scheduler.rate)
+                done[key] = scheduler.simulate(jobs, caps, policy, rates=matrix)
+            except ValueError as e:   # e.g. a job whose scale fits no kind of the mix
+                return [text(f"{policy} on {cluster}, {trace}: {e}")]
+        return viz_scheduler.panel(done[key], traces[trace], f"{policy} on {cluster}, {trace}")
+
+    pick = lambda name, options, value: w.Dropdown(  # noqa: E731
+        options=list(options), value=value or next(iter(options)), description=name)
+    controls = {"trace": pick("trace", traces, trace),
+                "cluster": pick("cluster", clusters, cluster),
+                "policy": pick("policy", scheduler.POLICIES, policy)}
+    return _panel(controls, draw)
