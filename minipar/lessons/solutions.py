@@ -13,8 +13,11 @@ tests and for the lessons' fallback when the exercise is not filled in; read it 
     ring_all_reduce_cost, ring_gather_cost (nbytes, n, link)   lesson 07's:
                                         exercises_planner.check_collective_costs
     split_layers(n_layer, seconds)      lesson 09's: exercises_planner.check_layer_split
+    srtf(view)                          lesson 10's: exercises_scheduler.check_srtf
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -148,3 +151,20 @@ def split_layers(n_layer: int, seconds: list[float]) -> list[int]:
         else:
             return layers
     raise ValueError(f"{k} stages cannot split {n_layer} layers")
+
+
+def srtf(view) -> dict:
+    """Lesson 10: shortest remaining time first. Each job's remaining steps at its best rate at its
+    scale orders the jobs (least first; sorted is stable, so ties keep arrival order); each takes
+    its scale on the fastest kind with room, as LAS does, or is passed over."""
+    def left(s):
+        best = max(view.rate(s, kind, s.job.scale) for kind in view.capacity)
+        return s.remaining / best if best > 0 else math.inf
+
+    free, alloc = dict(view.capacity), {}
+    for s in sorted(view.jobs, key=left):
+        kind = view.fastest(s, free, s.job.scale)
+        if kind is not None:
+            alloc[s.job.name] = (kind, s.job.scale)
+            free[kind] -= s.job.scale
+    return alloc
