@@ -88,6 +88,7 @@ def random_round(rng, kinds=("a", "b", "c"), n_jobs=7, n_types=None):
     """A Round of random jobs (of n_types types, each with its scale and rates: jobs of one type
     share a class of the linear programs), history and capacity."""
     caps = {k: rng.randint(1, 6) for k in kinds}
+    caps[kinds[0]] = max(caps[kinds[0]], 4)   # room for the largest scale where every job runs
     types = {}
     for t in range(n_types or n_jobs):
         scale = rng.choice((1, 2, 4))
@@ -252,8 +253,47 @@ def test_the_schedule_command_prints_each_policys_metrics(capsys, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--cluster", "h100"], "kind:chips pairs"), (["--cluster", "k80:4"], "unknown kind 'k80'"),
     (["--policy", "srtf"], "unknown policy 'srtf'"), (["--trace", "nowhere.csv"], "no such file"),
-    (["--fairness", "2"], "--fairness must be in")])
+    (["--fairness", "2"], "--fairness must be in"), (["--round-s", "nan"], "--round-s must be"),
+    (["--gavel-json", "/proc/no/t.json"], "cannot be written")])
 def test_a_bad_schedule_request_is_one_line_before_any_planning(args, message):
     from minipar.__main__ import main
     with pytest.raises(SystemExit, match=f"^error: .*{message}"):
         main(["schedule", *args])
+
+
+def test_rounds_shorter_than_a_restart_still_finish():
+    # Gavel's rounds move jobs between configurations; a job still paying its start keeps its chips
+    # (moved every round, a restart of 30 s in rounds of 10 s would never end). They still churn:
+    # two jobs sharing one chip fairly trade it dozens of times, each trade 35 s of restart
+    jobs = [job("j0", 0.0, 300), job("j1", 0.0, 300)]
+    for policy in ("max-min", "max-min-blind", "max-throughput", "minipar"):
+        res = scheduler.simulate(jobs, {"a": 1}, policy, round_s=10,
+                                 restart=lambda *a: 30.0, stop=lambda *a: 5.0,
+                                 rates=rates_for(jobs, FLAT))
+        assert len(res.jct) == 2, policy
+
+
+def test_a_trace_of_big_jobs_and_a_file_of_another_form():
+    assert elastic(32) == (1, 2, 4, 8, 16, 32, 64) and elastic(1) == (1, 2)
+    jobs = scheduler.read_trace(bundled("data") / "traces" / "pai_sample.csv",
+                                rate=lambda *a: 2.0, limit=3)
+    assert len(jobs) == 3
+
+
+@pytest.mark.parametrize("text,suffix,message", [
+    ("a,b\n1,2\n", ".csv", "not a PAI task table .*no column"),
+    ('{"jobs": []}', ".json", "not a Philly job log"), ("{", ".json", "not a Philly job log")])
+def test_a_trace_file_of_another_form_is_one_clear_error(tmp_path, text, suffix, message):
+    path = tmp_path / f"trace{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        scheduler.read_trace(path, rate=lambda *a: 1.0)
+
+
+def test_a_job_larger_than_every_kind_or_a_bad_round_is_refused_before_any_round():
+    jobs = [job("j", 0.0, 10, scale=2)]
+    with pytest.raises(ValueError, match="at the 2 chips it asks for"):
+        scheduler.simulate(jobs, {"a": 1}, "fifo", rates={"j": {("a", 2): 1.0}})
+    with pytest.raises(ValueError, match="finite"):
+        scheduler.simulate(jobs, {"a": 2}, "fifo", round_s=float("inf"),
+                           rates={"j": {("a", 2): 1.0}})

@@ -7,7 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+
+from minipar import preflight
 
 GAVEL_CLUSTER = "dgx-h100:36,dgx-a100-80g:36,tpu-v5e:36"   # Gavel's shape: 36 of three kinds
 BUNDLED = {"pai-sample": "pai_sample.csv", "philly-sample": "philly_sample.json"}
@@ -38,6 +41,8 @@ def add_parser(sub, formatter) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=100, help="jobs of the generated trace")
     p.add_argument("--jobs-per-hour", type=float, default=4.0, help="its arrival rate")
     p.add_argument("--seed", type=int, default=0, help="its draws (and a read trace's models)")
+    p.add_argument("--limit", type=int, help="a read trace's first that many jobs (the public "
+                                             "traces hold 100,000 and more)")
     p.add_argument("--cluster", default=GAVEL_CLUSTER, help="kind:chips pairs, kinds from "
                                                             "`minipar plan`'s presets")
     p.add_argument("--policy", default=",".join(POLICIES),
@@ -59,12 +64,18 @@ def run(args) -> None:
         raise ValueError(f"unknown policy {unknown[0]!r}; choose from {sorted(scheduler.POLICIES)}")
     if not 0 <= args.fairness <= 1:
         raise ValueError(f"--fairness must be in [0, 1], got {args.fairness}")
+    if not 0 < args.round_s < math.inf:
+        raise ValueError(f"--round-s must be positive, finite seconds, got {args.round_s}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be a positive number of jobs, got {args.limit}")
+    preflight.check_writable(args.gavel_json, "gavel-json")
     if args.trace:
         path = bundled("data") / "traces" / BUNDLED[args.trace] if args.trace in BUNDLED \
             else args.trace
         if not os.path.isfile(path):
-            raise ValueError(f"--trace {args.trace!r}: no such file")
-        jobs = scheduler.read_trace(path, seed=args.seed)
+            raise ValueError(f"--trace {args.trace!r}: no such file (a file, or one of "
+                             f"{', '.join(BUNDLED)})")
+        jobs = scheduler.read_trace(path, seed=args.seed, limit=args.limit)
         source = f"trace {args.trace}"
     else:
         jobs = scheduler.generate(args.jobs, args.jobs_per_hour, seed=args.seed)

@@ -69,8 +69,8 @@ class Job:
 
 
 def elastic(scale: int) -> tuple:
-    """The counts an elastic job accepts: powers of two from 1 to twice its scale (at most 16)."""
-    return tuple(1 << i for i in range(5) if 1 << i <= min(2 * scale, 16))
+    """The counts an elastic job accepts: powers of two from 1 to twice its scale."""
+    return tuple(1 << i for i in range(max(1, 2 * scale).bit_length()) if 1 << i <= 2 * scale)
 
 
 def _duration(rng: random.Random) -> float:
@@ -93,10 +93,18 @@ def generate(n_jobs: int = 50, jobs_per_hour: float = 20.0, seed: int = 0, types
         t += rng.expovariate(jobs_per_hour / 3600.0)
         scale = rng.choices(SCALES, SCALE_P)[0]
         duration, kind = _duration(rng), rng.choice(types)
-        jobs.append(Job(f"job{i}", *kind, steps=max(1, round(duration * rate(kind, reference,
-                                                                               scale))),
+        jobs.append(Job(f"job{i}", *kind, steps=_steps(duration, rate, kind, reference, scale),
                         arrival=t, scale=scale, counts=elastic(scale)))
     return jobs
+
+
+def _steps(duration: float, rate, kind, reference: str, scale: int) -> int:
+    """The steps a job of `kind` at `scale` runs in `duration` s on the reference kind."""
+    steps_per_s = rate(kind, reference, scale)
+    if not steps_per_s > 0:
+        raise ValueError(f"{kind[0]} (batch {kind[1]}) does not run on {scale} x {reference}, the "
+                         f"reference kind: its durations cannot become steps")
+    return max(1, round(duration * steps_per_s))
 
 
 def _planned_rate(kind, device: str, count: int) -> float:
@@ -113,7 +121,12 @@ def read_trace(path: str, seed: int = 0, types=TYPES, rate=None, reference: str 
                limit: int | None = None) -> list[Job]:
     """The finished jobs of a PAI task-table CSV or a Philly job-log JSON (module docstring), as
     Jobs in arrival order, arrivals from the first; `limit`: the first that many."""
-    rows = _philly(path) if str(path).endswith(".json") else _pai(path)
+    try:
+        rows = _philly(path) if str(path).endswith(".json") else _pai(path)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:   # a file of another form
+        form = "a Philly job log (JSON)" if str(path).endswith(".json") else \
+            "a PAI task table (CSV)"
+        raise ValueError(f"{path}: not {form}: {type(e).__name__} {e}") from None
     rows.sort(key=lambda r: r[1])
     rows = rows[:limit] if limit else rows
     if not rows:
@@ -122,7 +135,7 @@ def read_trace(path: str, seed: int = 0, types=TYPES, rate=None, reference: str 
     jobs = []
     for name, submit, duration, gpus in rows:
         kind, scale = rng.choice(types), _power_of_two(gpus)
-        jobs.append(Job(name, *kind, steps=max(1, round(duration * rate(kind, reference, scale))),
+        jobs.append(Job(name, *kind, steps=_steps(duration, rate, kind, reference, scale),
                         arrival=submit - start, scale=scale, counts=elastic(scale)))
     return jobs
 
@@ -131,7 +144,12 @@ def _pai(path) -> list[tuple]:
     """(name, submit s, duration s, GPUs) of each terminated job with a GPU, its tasks summed."""
     jobs: dict[str, list] = {}
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        missing = {"job_name", "inst_num", "status", "start_time", "end_time", "plan_gpu"} - \
+            set(reader.fieldnames or ())
+        if missing:
+            raise KeyError(f"no column {', '.join(sorted(missing))}")
+        for row in reader:
             if row["status"] != "Terminated" or not row["plan_gpu"] or not row["end_time"]:
                 continue
             start, end = float(row["start_time"]), float(row["end_time"])
@@ -143,7 +161,10 @@ def _pai(path) -> list[tuple]:
 
 
 def _seconds(stamp: str) -> float:
-    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp()
+    """Seconds of a Philly time stamp, read as UTC (any one zone will do: only differences count;
+    the machine's own would move them across its daylight-saving changes)."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(
+        tzinfo=datetime.timezone.utc).timestamp()
 
 
 def _philly(path) -> list[tuple]:

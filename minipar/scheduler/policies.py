@@ -14,7 +14,7 @@ far, the cluster's chips, the throughput matrix) to an allocation {job name: (ki
                     throughput sum_k rate[j, k] x[j, k] / rate_equal[j] (rate_equal: the job's rate
                     with an equal time share of the cluster spread over the kinds it fits); per kind
                     sum_j scale_j x[j, k] <= chips_k, per job sum_k x[j, k] <= 1
-                    (then, water-filling, the most total throughput that keeps that optimum)
+                    (then the most total throughput that keeps every job at that optimum)
     max-min-blind   the same fairness blind to kinds: every chip alike, so each job gets the equal
                     time share min(1, chips / sum of scales), where it ran last if there is room,
                     else on the kind with the most chips free
@@ -83,7 +83,9 @@ class Round:
     options: dict = field(default_factory=dict)
 
     def rate(self, s: JobState, kind: str, count: int) -> float:
-        return self.rates[s.job.name].get((kind, count), 0.0)
+        """Steps/s of s on `count` chips of `kind` (0: it cannot run there, or there are fewer)."""
+        return self.rates[s.job.name].get((kind, count), 0.0) if count <= self.capacity[kind] \
+            else 0.0
 
     def fastest(self, s: JobState, free: dict, count: int):
         """The kind with room for `count` chips where s runs fastest, or None."""
@@ -163,10 +165,10 @@ def _solve(view: Round, elastic: bool, objective: str, fairness: float = 0.0) ->
         s = group[0]
         configs = _configs(view, s, elastic)
         cols += [(c, cfg) for cfg in configs]
+        best.append(max((view.rate(s, *cfg) for cfg in configs), default=1.0))
         fit = [view.rate(s, k, s.job.scale) for k in view.capacity
-               if view.rate(s, k, s.job.scale) > 0]
+               if view.rate(s, k, s.job.scale) > 0] or [best[-1]]   # (simulate refuses none)
         norm.append(share * sum(fit) / len(fit))   # its rate with an equal share of the cluster
-        best.append(max(view.rate(s, *cfg) for cfg in configs))
     rate = [view.rate(groups[c][0], *cfg) for c, cfg in cols]
     value = [rate[i] / norm[c] for i, (c, _) in enumerate(cols)]   # normalised throughput
     rows = [[1.0 if cc == c else 0.0 for cc, _ in cols] for c in range(len(groups))]  # sum x <= 1
@@ -206,8 +208,13 @@ def _rounded(view: Round, fractions: dict, blind: bool = False) -> dict:
             got = s.received.get(cfg, 0)
         return x / (got / s.age) if got else math.inf
 
-    pairs = sorted((-priority(s, cfg, x), cfg != s.current, -x, s.job.arrival, i, cfg)
-                   for i, s in enumerate(view.jobs)
+    def held(s, cfg) -> bool:   # cfg is what s holds now ("*": any kind, at that count)
+        return s.current is not None and cfg in (s.current, ("*", s.current[1]))
+
+    # a job still paying for its start keeps its chips first: moved every round, a job whose restart
+    # outlasts a round would never run
+    pairs = sorted((not (s.owed > 0 and held(s, cfg)), -priority(s, cfg, x), not held(s, cfg),
+                    -x, s.job.arrival, i, cfg) for i, s in enumerate(view.jobs)
                    for cfg, x in fractions[s.job.name].items() if x > 1e-9)
     free, alloc = dict(view.capacity), {}
 
@@ -234,7 +241,7 @@ def _rounded(view: Round, fractions: dict, blind: bool = False) -> dict:
 
 
 def max_min(view: Round) -> dict:
-    # the max-min optimum, then (water-filling) the most total throughput that keeps it
+    # the max-min optimum, then the most total throughput that keeps every job at it
     return _rounded(view, _solve(view, elastic=False, objective="sum", fairness=1.0))
 
 

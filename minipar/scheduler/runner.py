@@ -23,6 +23,7 @@ side by side.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -61,7 +62,15 @@ def cores_of(machine: dict) -> dict:
 
 
 def _pinned(cores):
-    return lambda: os.sched_setaffinity(0, cores)
+    """A child's start: pinned to `cores`, and (Linux) killed when the runner dies, however it dies
+    (its own workers follow it: launch's workers exit with their caller)."""
+    def start():
+        os.sched_setaffinity(0, cores)
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    return start
 
 
 def _plan_rows(request: dict) -> dict:
@@ -206,7 +215,11 @@ def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
     cores = cores_of(machine)
     rates, layouts = matrix or machine_matrix(jobs, machine)
     caps = {k: slots for k, (slots, _) in machine.items()}
-    folder = folder or tempfile.mkdtemp(prefix="minipar-schedule-")
+    folder = folder or tempfile.mkdtemp(prefix="minipar-schedule-")   # (kept: the jobs' files)
+    stale = [f for j in jobs for f in os.listdir(folder) if f.split(".")[0] == j.name]
+    if stale:
+        raise ValueError(f"{folder} already holds {', '.join(sorted(stale))}: a job would resume "
+                         f"an old checkpoint; give a new folder")
     pending, states = sorted(jobs, key=lambda j: j.arrival), {}
     free = {k: list(c) for k, c in cores.items()}
     running: dict[str, _Running] = {}

@@ -83,7 +83,8 @@ def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=
     pending, active = collections.deque(jobs), []
     out = Result({}, {}, [], {j.name: 0 for j in jobs}, {}, 0.0, 0.0, policy=policy,
                  capacity=caps, rates=rates)
-    held, t = 0.0, 0.0
+    held, t, idle = 0.0, 0.0, 0   # idle: rounds in a row in which no job was given a chip
+    most = _most_rounds(jobs, rates, round_s)
     while pending or active:
         while pending and pending[0].arrival <= t:
             active.append(policies.JobState(pending.popleft()))
@@ -93,7 +94,11 @@ def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=
         view = policies.Round(t, active, caps, rates, options)
         alloc = pick(view)
         policies.check(view, alloc)
-        out.rounds += 1
+        out.rounds, idle = out.rounds + 1, 0 if alloc else idle + 1
+        if idle > 10_000 or out.rounds > most:   # a policy that never runs what waits, or moves
+            # jobs faster than they restart, would loop forever
+            raise RuntimeError(f"{policy}: {len(active)} jobs unfinished after {out.rounds} rounds "
+                               f"({idle} in a row running none)")
         asked = max(1.0, sum(s.job.scale for s in active) / chips)
         leaving, stopping = {}, {}   # kind: the longest stop on it; job: its own stop
         for s in active:
@@ -120,16 +125,23 @@ def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=
     return out
 
 
+def _most_rounds(jobs: list, rates: dict, round_s: float) -> float:
+    """Rounds enough for 100 times the trace run one job after another, each at its slowest."""
+    serial = sum(j.steps / min(r for r in rates[j.name].values() if r > 0) for j in jobs)
+    return 1000 + 100 * (jobs[-1].arrival + serial) / round_s
+
+
 def _check(jobs: list, caps: dict, rates: dict, policy: str, round_s: float) -> None:
     """ValueError for what cannot be simulated: before any round runs."""
     if policy not in policies.POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(policies.POLICIES)}")
-    if not round_s > 0:
-        raise ValueError(f"round_s must be positive seconds, got {round_s!r}")
+    if not 0 < round_s < math.inf:
+        raise ValueError(f"round_s must be positive, finite seconds, got {round_s!r}")
     if len({j.name for j in jobs}) != len(jobs) or not jobs:
         raise ValueError("jobs must be a non-empty list with distinct names")
     for job in jobs:
-        if not any(rates[job.name].get((k, job.scale), 0) > 0 for k in caps):
+        if not any(rates[job.name].get((k, job.scale), 0) > 0 and job.scale <= caps[k]
+                   for k in caps):
             raise ValueError(f"job {job.name} ({job.model}, batch {job.global_batch}) fits on "
                              f"no kind of {sorted(caps)} at the {job.scale} chips it asks for")
 
