@@ -50,7 +50,7 @@ def check_trace(jobs, machine, policy, costs, folder):
         flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
         assert rel_diff(flat(saved), flat(ref.state_dict)) <= 1e-5, job.name
     replay = runner.simulated(jobs, machine, policy, ROUND_S, runner.replayed(matrix[0], measured),
-                              costs)
+                              costs, decide=matrix[0])
     planned = runner.simulated(jobs, machine, policy, ROUND_S, matrix[0], costs)
     for job in jobs:
         print(f"{job.name}: measured {measured.jct[job.name]:.2f} s, replayed "

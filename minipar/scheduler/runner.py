@@ -272,7 +272,8 @@ def _ended(s, r: _Running, folder: str, out: Measured, now: float) -> None:
             raise RuntimeError(f"job {name} failed:\n{f.read()[-3000:]}")
     out.segments.append((name, *r.where, r.start, now, r.label))
     lines = _metrics(folder, name)
-    times = sorted(line["step_time"] for line in lines if line["step"] > r.first)
+    # its steps' times there, the first of each start left out (warm-up: not the rate it runs at)
+    times = sorted(line["step_time"] for line in lines if line["step"] > r.first + 1)
     if times:
         out.rates.setdefault(name, {}).setdefault(r.where, []).append(1.0 / times[len(times) // 2])
     if lines and lines[-1]["step"] >= s.job.steps:
@@ -317,14 +318,16 @@ def _metrics(folder: str, name: str) -> list[dict]:
 def replayed(planned: dict, measured: Measured) -> dict:
     """The throughput matrix with the rates a real run measured in place of the planner's where it
     ran: the simulator's own accounting (rounds, starts, stops) checked apart from the planner's
-    prediction of speed, which the host's noise moves (10-25% here)."""
+    prediction of speed, which the host's noise moves (10-25% here). Give it to `simulated` as
+    rates, with decide=planned: the policy must see what the run's policy saw."""
     return {job: {**row, **measured.rates.get(job, {})} for job, row in planned.items()}
 
 
 def simulated(jobs, machine: dict, policy: str, round_s: float, rates: dict, costs: dict,
               **options):
-    """The simulator's run of the same trace: `rates` (the planner's, or `replayed`), each start
-    and stop costing what `measure_costs` measured for its slots (the nearest count measured)."""
+    """The simulator's run of the same trace: `rates` (the planner's, or `replayed`; the policy
+    decides on the planner's either way, as the run's did: pass decide=), each start and stop
+    costing what `measure_costs` measured for its slots (the nearest count measured)."""
     def cost(count: int) -> tuple:
         return costs[min(costs, key=lambda n: abs(n - count))]
     caps = {k: slots for k, (slots, _) in machine.items()}

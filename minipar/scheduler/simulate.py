@@ -65,14 +65,15 @@ class Result:
 
 
 def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=None,
-             restart=None, stop=None, **options) -> Result:
+             restart=None, stop=None, decide=None, **options) -> Result:
     """Run `jobs` on `cluster` ({kind: chips} or a Cluster) under `policy` (policies.POLICIES; its
     options, e.g. fairness= for "minipar"). rates: the throughput matrix (default: the planner's,
     throughput_matrix); restart(job, (kind, count), first) -> seconds a start on those chips costs,
     `first` for the job's first; stop(job, (kind, count)) -> seconds a stopped or moved job still
     holds those chips (its checkpoint written, its processes gone): whoever starts on that kind in
     that round waits for them, and so does the job itself (its load follows its save). Defaults:
-    gpu_restart, gpu_stop."""
+    gpu_restart, gpu_stop. decide: the matrix the policy sees, if not `rates` (a real run replayed:
+    jobs progress at the rates measured, the policy decides on the planner's, as it did)."""
     caps = capacity(cluster)
     jobs = sorted(jobs, key=lambda j: j.arrival)
     rates = rates if rates is not None else throughput_matrix(jobs, caps)
@@ -91,7 +92,7 @@ def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=
         if not active:
             t = math.ceil(pending[0].arrival / round_s) * round_s
             continue
-        view = policies.Round(t, active, caps, rates, options)
+        view = policies.Round(t, active, caps, decide or rates, options)
         alloc = pick(view)
         policies.check(view, alloc)
         out.rounds, idle = out.rounds + 1, 0 if alloc else idle + 1
