@@ -61,16 +61,6 @@ def cores_of(machine: dict) -> dict:
     return out
 
 
-def _slots(machine: dict) -> dict:
-    """{kind: slots}: the machine as the policies' capacity."""
-    return {k: slots for k, (slots, _) in machine.items()}
-
-
-def _in_order(machine: dict) -> list:
-    """Every slot's core, kinds in order (a job of n slots probed or planned on the first n)."""
-    return [c for cs in cores_of(machine).values() for c in cs]
-
-
 def _pinned(cores):
     """A child's start: pinned to `cores`, and (Linux) killed when the runner dies, however it dies
     (its own workers follow it: launch's workers exit with their caller)."""
@@ -112,7 +102,7 @@ def machine_matrix(jobs, machine: dict) -> tuple[dict, dict]:
     cores = cores_of(machine)
     counts = sorted({n for j in jobs for n in j.counts if any(n <= len(c) for c in
                                                               cores.values())})
-    first = _in_order(machine)
+    first = [c for cs in cores.values() for c in cs]
     types = sorted({j.kind for j in jobs})
     layouts, steps = {}, {}
     for n in counts:
@@ -169,7 +159,7 @@ def measure_costs(machine: dict, model: str = "tiny", batch: int = 8, repeats: i
 def _probe(machine: dict, n: int, model: str, batch: int, timeout: float) -> tuple:
     """One probe on n cores (`measure_costs`): (start s, stop s)."""
     from minipar.scheduler.jobs import Job
-    first = _in_order(machine)
+    first = [c for cs in cores_of(machine).values() for c in cs]
     with tempfile.TemporaryDirectory() as folder:
         job = Job("probe", model, batch, 10 ** 6, 0.0, n)
         t = time.monotonic()
@@ -224,7 +214,7 @@ def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(policies.POLICIES)}")
     cores = cores_of(machine)
     rates, layouts = matrix or machine_matrix(jobs, machine)
-    caps = _slots(machine)
+    caps = {k: slots for k, (slots, _) in machine.items()}
     folder = folder or tempfile.mkdtemp(prefix="minipar-schedule-")   # (kept: the jobs' files)
     stale = [f for j in jobs for f in os.listdir(folder) if f.split(".")[0] == j.name]
     if stale:
@@ -340,7 +330,7 @@ def simulated(jobs, machine: dict, policy: str, round_s: float, rates: dict, cos
     costing what `measure_costs` measured for its slots (the nearest count measured)."""
     def cost(count: int) -> tuple:
         return costs[min(costs, key=lambda n: abs(n - count))]
-    caps = _slots(machine)
+    caps = {k: slots for k, (slots, _) in machine.items()}
     return simulate(jobs, caps, policy, round_s, rates=rates,
                     restart=lambda job, where, first: cost(where[1])[0],
                     stop=lambda job, where: cost(where[1])[1], **options)
