@@ -297,3 +297,38 @@ def test_a_job_larger_than_every_kind_or_a_bad_round_is_refused_before_any_round
     with pytest.raises(ValueError, match="finite"):
         scheduler.simulate(jobs, {"a": 2}, "fifo", round_s=float("inf"),
                            rates={"j": {("a", 2): 1.0}})
+
+
+def shrink_round(a_owes: bool, b_first: bool = False) -> Round:
+    """A (elastic: 1 or 2 chips) held both chips of "a" last round; B (1 chip) has just arrived;
+    two chips run A exactly twice as fast as one. b_first: B's class first in the programs."""
+    jobs = [job("A", 0.0, 100, counts=(1, 2)), job("B", 1.0, 100)]
+    a, b = JobState(jobs[0], current=("a", 2), received={("a", 2): 1}, age=1), JobState(jobs[1])
+    a.owed = 5.0 if a_owes else 0.0
+    return Round(1.0, [b, a] if b_first else [a, b], {"a": 2},
+                 {"A": {("a", 1): 1.0, ("a", 2): 2.0}, "B": {("a", 1): 1.0}})
+
+
+@pytest.mark.parametrize("b_first", [False, True])
+def test_at_linear_scaling_the_elastic_job_shrinks_rather_than_rotate(b_first):
+    # A on 2 chips half the rounds is as much throughput as on 1 chip every round: of the two
+    # splits, minipar's takes the one that pauses nobody (rotating would restart both every round;
+    # without the tie-break the solver's pick follows the order of the columns)
+    view = shrink_round(False, b_first)
+    fractions = policies._solve(view, elastic=True, objective="sum", fairness=0.8)
+    assert fractions["A"][("a", 1)] == pytest.approx(1.0) and fractions["A"][("a", 2)] < 1e-6
+    assert policies.minipar(view) == {"A": ("a", 1), "B": ("a", 1)}
+
+
+def test_a_job_still_paying_its_start_keeps_its_chips_whatever_its_fractions():
+    # the fractions give A no round on 2 chips, but it is still starting there: it keeps them, and
+    # B waits (a real process cannot stop before its first step)
+    assert policies.minipar(shrink_round(True)) == {"A": ("a", 2)}
+
+
+def test_step_times_on_more_cores_are_held_to_linear_scaling():
+    from minipar.scheduler.runner import _held_to_linear
+    t = {("m", "core", 1): 1.0, ("m", "core", 2): 0.4, ("m", "core", 4): 0.3,
+         ("n", "core", 2): 0.1}
+    assert _held_to_linear(t) == {("m", "core", 1): 1.0, ("m", "core", 2): 0.5,
+                                  ("m", "core", 4): 0.3, ("n", "core", 2): 0.1}

@@ -3,8 +3,9 @@ resumed in another layout or on another (emulated) kind as a policy decides; eac
 final weights those of its uninterrupted single-process run; each job's completion time the
 simulator's, within 20%.
 
-The simulator is judged twice. With the rates the run measured (`runner.replayed`), it checks the
-simulator's accounting of rounds, starts, stops and completions alone: asserted for every job.
+The simulator is judged twice. With the rates and start-ups the run measured (`runner.replayed`,
+`Measured.starts`), it checks the simulator's accounting of rounds, starts, stops and completions
+alone: asserted for every job.
 With the planner's rates it is the prediction the lesson shows; the host's noise moves step times
 10-25% between runs here, so that check is asserted when the measured rates are within 15% of the
 planner's, and skipped (saying so) when the host ran the jobs slower or faster than that."""
@@ -50,7 +51,7 @@ def check_trace(jobs, machine, policy, costs, folder):
         flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
         assert rel_diff(flat(saved), flat(ref.state_dict)) <= 1e-5, job.name
     replay = runner.simulated(jobs, machine, policy, ROUND_S, runner.replayed(matrix[0], measured),
-                              costs, decide=matrix[0])
+                              costs, starts=measured.starts, decide=matrix[0])
     planned = runner.simulated(jobs, machine, policy, ROUND_S, matrix[0], costs)
     for job in jobs:
         print(f"{job.name}: measured {measured.jct[job.name]:.2f} s, replayed "

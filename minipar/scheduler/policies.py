@@ -186,7 +186,10 @@ def _solve(view: Round, elastic: bool, objective: str, fairness: float = 0.0) ->
         x, z = res.x[:-1], res.x[-1]
     if objective == "sum":
         extra = floor if fairness > 0 else []
-        res = linprog([-len(groups[c]) * rate[i] / best[c] for i, (c, _) in enumerate(cols)],
+        # (ties: the more rounds run, 1e-6 a round: of two splits as good, the one that pauses
+        # the jobs less, so restarts them less)
+        res = linprog([-len(groups[c]) * (rate[i] / best[c] + 1e-6)
+                       for i, (c, _) in enumerate(cols)],
                       A_ub=rows + extra,
                       b_ub=bounds + [-fairness * z * (1 - 1e-6)] * len(extra),
                       bounds=[(0, None)] * len(cols), method="highs")
@@ -211,11 +214,14 @@ def _rounded(view: Round, fractions: dict, blind: bool = False) -> dict:
     def held(s, cfg) -> bool:   # cfg is what s holds now ("*": any kind, at that count)
         return s.current is not None and cfg in (s.current, ("*", s.current[1]))
 
-    # a job still paying for its start keeps its chips first: moved every round, a job whose restart
-    # outlasts a round would never run
+    # a job still paying for its start keeps its chips first, whatever its fractions: moved every
+    # round, a job whose restart outlasts a round would never run (and a real one cannot stop
+    # before its first step)
+    wanted = [(i, s, cfg, x) for i, s in enumerate(view.jobs)
+              for cfg, x in fractions[s.job.name].items() if x > 1e-9]
+    wanted += [(i, s, s.current, 0.0) for i, s in enumerate(view.jobs) if s.owed > 0 and s.current]
     pairs = sorted((not (s.owed > 0 and held(s, cfg)), -priority(s, cfg, x), not held(s, cfg),
-                    -x, s.job.arrival, i, cfg) for i, s in enumerate(view.jobs)
-                   for cfg, x in fractions[s.job.name].items() if x > 1e-9)
+                    -x, s.job.arrival, i, cfg) for i, s, cfg, x in wanted)
     free, alloc = dict(view.capacity), {}
 
     def place(s, cfg) -> None:

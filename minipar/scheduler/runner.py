@@ -13,13 +13,15 @@ Each round (`round_s`) the policy sees the jobs present and returns {job: (kind,
 as in the simulator (policies.py). A job whose allocation changed is preempted: its stop file
 appears, it finishes the step it is in, writes its checkpoint and exits (`train(stop_file=...)`);
 then it starts again on its new slots, resuming the checkpoint in the layout planned for them
-(checkpoints resume in any layout). A job that finishes frees its slots at once; the policy fills
-them at the next round, as the simulator does.
+(checkpoints resume in any layout). A job that has not yet made its first step where it was put
+owes its restart, as in the simulator: the policy leaves it its slots (a process cannot stop before
+its first step). A job that finishes frees its slots at once; the policy fills them at the next
+round, as the simulator does.
 
 `run` returns what happened (`Measured`: each job's completion time, its segments, restarts, its
 checkpoint). `simulated` replays the same trace, machine and policy in the simulator, with the
-planner's rates and the start-up measured here (`measure_startup`), so the two timelines can be laid
-side by side.
+planner's rates and the start and stop costs measured here (`measure_costs`; or the run's own
+start-ups, Measured.starts), so the two timelines can be laid side by side.
 """
 from __future__ import annotations
 
@@ -119,9 +121,24 @@ def machine_matrix(jobs, machine: dict) -> tuple[dict, dict]:
                 if got:
                     steps[((model, int(batch)), kind, n)] = got[0]
                     layouts[((model, int(batch)), kind, n)] = ParallelConfig(**got[1])
+    steps = _held_to_linear(steps)
     rates = {j.name: {(k, n): 1.0 / steps[(j.kind, k, n)] for k in machine for n in j.counts
                       if (j.kind, k, n) in steps} for j in jobs}
     return rates, layouts
+
+
+def _held_to_linear(steps: dict) -> dict:
+    """{(job type, kind, n): step s} with each step time on n cores held to at least m/n of the
+    time on m < n cores. Each count's plan rests on its own calibration (pinned to that many cores,
+    at its own moment), and their noise (up to 30% here) can put a 2-core plan above twice the
+    1-core one: no cores run data parallel faster than linearly, and a policy would rotate jobs to
+    chase it."""
+    out = {}
+    for (job_type, kind, n), t in sorted(steps.items(), key=lambda item: item[0][2]):
+        fewer = [out[(job_type, kind, m)] * m / n for m in range(1, n)
+                 if (job_type, kind, m) in out]
+        out[(job_type, kind, n)] = max([t, *fewer])
+    return out
 
 
 def command(job, par: ParallelConfig, slowdown: float, folder: str, resume: bool) -> list:
@@ -192,6 +209,8 @@ class Measured:
     checkpoints: dict = field(default_factory=dict)  # {job: its final checkpoint's path}
     rates: dict = field(default_factory=dict)      # {job: {(kind, count): steps/s measured}}:
                                                    #   1 / the median step of its segments there
+    starts: dict = field(default_factory=dict)     # {(job, kind, count, first start): s from its
+                                                   #   process's start to its first step's, median}
 
 
 @dataclass
@@ -202,7 +221,9 @@ class _Running:
     start: float
     label: str
     first: int                 # steps done when it started
+    fresh: bool                # no checkpoint to resume: the job's first start
     stopping: bool = False
+    started: float | None = None   # s from its start to its first step's (once it made one)
 
 
 def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
@@ -235,11 +256,13 @@ def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
                     free[r.where[0]] += r.cores
                     del running[name]
                     _ended(states[name], r, folder, out, now)
+            _first_steps(running, folder, now)
             if now >= next_round:
                 while pending and pending[0].arrival <= now:
                     job = pending.pop(0)
                     states[job.name] = policies.JobState(job)
                 present = [s for n, s in states.items() if n not in out.finish]
+                _owed(present, running)
                 if present:
                     view = policies.Round(now, present, caps, rates, options)
                     alloc = policies.POLICIES[policy](view)
@@ -261,6 +284,7 @@ def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
             os.killpg(r.proc.pid, signal.SIGKILL)
             r.proc.wait()
     out.rates = {n: {w: statistics.median(v) for w, v in by.items()} for n, by in out.rates.items()}
+    out.starts = {key: statistics.median(v) for key, v in out.starts.items()}
     return out
 
 
@@ -271,6 +295,8 @@ def _ended(s, r: _Running, folder: str, out: Measured, now: float) -> None:
         with open(f"{folder}/{name}.log") as f:
             raise RuntimeError(f"job {name} failed:\n{f.read()[-3000:]}")
     out.segments.append((name, *r.where, r.start, now, r.label))
+    if r.started is not None:
+        out.starts.setdefault((name, *r.where, r.fresh), []).append(r.started)
     lines = _metrics(folder, name)
     # its steps' times there, the first of each start left out (warm-up: not the rate it runs at)
     times = sorted(line["step_time"] for line in lines if line["step"] > r.first + 1)
@@ -279,6 +305,22 @@ def _ended(s, r: _Running, folder: str, out: Measured, now: float) -> None:
     if lines and lines[-1]["step"] >= s.job.steps:
         out.finish[name], out.jct[name] = now, now - s.job.arrival
         out.checkpoints[name] = f"{folder}/{name}.pt"
+
+
+def _first_steps(running: dict, folder: str, now: float) -> None:
+    """A start's cost, once it made its first step: the time since it started less its steps."""
+    for name, r in running.items():
+        new = [line for line in _metrics(folder, name) if line["step"] > r.first]
+        if r.started is None and new:
+            r.started = now - r.start - sum(line["step_time"] for line in new)
+
+
+def _owed(present: list, running: dict) -> None:
+    """A job that has still to make its first step where it was put (waiting for its slots, or its
+    process starting) owes its restart, as in the simulator: the policy lets it keep its slots."""
+    for s in present:
+        r = running.get(s.job.name)
+        s.owed = float(s.current is not None and (r is None or r.stopping or r.started is None))
 
 
 def _decide(s, where, running: dict, folder: str, out: Measured, round_s: float) -> None:
@@ -296,13 +338,14 @@ def _start(s, par, slowdown: float, cores: list, folder: str, now: float) -> _Ru
     stop = f"{folder}/{s.job.name}.stop"
     if os.path.exists(stop):
         os.remove(stop)
-    resume = os.path.exists(f"{folder}/{s.job.name}.pt")
+    resume = os.path.exists(f"{folder}/{s.job.name}.pt")   # (written by its first stop)
     with open(f"{folder}/{s.job.name}.log", "a") as log:
         proc = subprocess.Popen(command(s.job, par, slowdown, folder, resume), stdout=log,
                                 stderr=subprocess.STDOUT, preexec_fn=_pinned(cores),
                                 start_new_session=True)
     lines = _metrics(folder, s.job.name)
-    return _Running(proc, s.current, cores, now, par.label, lines[-1]["step"] if lines else 0)
+    return _Running(proc, s.current, cores, now, par.label, lines[-1]["step"] if lines else 0,
+                    not resume)
 
 
 def _metrics(folder: str, name: str) -> list[dict]:
@@ -324,13 +367,18 @@ def replayed(planned: dict, measured: Measured) -> dict:
 
 
 def simulated(jobs, machine: dict, policy: str, round_s: float, rates: dict, costs: dict,
-              **options):
+              starts: dict | None = None, **options):
     """The simulator's run of the same trace: `rates` (the planner's, or `replayed`; the policy
     decides on the planner's either way, as the run's did: pass decide=), each start and stop
-    costing what `measure_costs` measured for its slots (the nearest count measured)."""
+    costing what `measure_costs` measured for its slots (the nearest count measured); `starts`
+    (a run's Measured.starts, to replay it): each start as the run measured it where it has one.
+    A start near a round's end decides the round a job is seen running in, so a replay of a run
+    needs the run's own starts: a probe's start-up is not the next job's to a second here."""
     def cost(count: int) -> tuple:
         return costs[min(costs, key=lambda n: abs(n - count))]
+
+    def restart(job, where, first) -> float:
+        return (starts or {}).get((job.name, *where, first), cost(where[1])[0])
     caps = {k: slots for k, (slots, _) in machine.items()}
-    return simulate(jobs, caps, policy, round_s, rates=rates,
-                    restart=lambda job, where, first: cost(where[1])[0],
+    return simulate(jobs, caps, policy, round_s, rates=rates, restart=restart,
                     stop=lambda job, where: cost(where[1])[1], **options)
