@@ -63,6 +63,16 @@ def cores_of(machine: dict) -> dict:
     return out
 
 
+def _slots(machine: dict) -> dict:
+    """{kind: slots}: the machine as the policies' capacity."""
+    return {k: slots for k, (slots, _) in machine.items()}
+
+
+def _in_order(machine: dict) -> list:
+    """Every slot's core, kinds in order (a job of n slots probed or planned on the first n)."""
+    return [c for cs in cores_of(machine).values() for c in cs]
+
+
 def _pinned(cores):
     """A child's start: pinned to `cores`, and (Linux) killed when the runner dies, however it dies
     (its own workers follow it: launch's workers exit with their caller)."""
@@ -104,7 +114,7 @@ def machine_matrix(jobs, machine: dict) -> tuple[dict, dict]:
     cores = cores_of(machine)
     counts = sorted({n for j in jobs for n in j.counts if any(n <= len(c) for c in
                                                               cores.values())})
-    first = [c for cs in cores.values() for c in cs]
+    first = _in_order(machine)
     types = sorted({j.kind for j in jobs})
     layouts, steps = {}, {}
     for n in counts:
@@ -176,7 +186,7 @@ def measure_costs(machine: dict, model: str = "tiny", batch: int = 8, repeats: i
 def _probe(machine: dict, n: int, model: str, batch: int, timeout: float) -> tuple:
     """One probe on n cores (`measure_costs`): (start s, stop s)."""
     from minipar.scheduler.jobs import Job
-    first = [c for cs in cores_of(machine).values() for c in cs]
+    first = _in_order(machine)
     with tempfile.TemporaryDirectory() as folder:
         job = Job("probe", model, batch, 10 ** 6, 0.0, n)
         t = time.monotonic()
@@ -235,7 +245,7 @@ def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(policies.POLICIES)}")
     cores = cores_of(machine)
     rates, layouts = matrix or machine_matrix(jobs, machine)
-    caps = {k: slots for k, (slots, _) in machine.items()}
+    caps = _slots(machine)
     folder = folder or tempfile.mkdtemp(prefix="minipar-schedule-")   # (kept: the jobs' files)
     stale = [f for j in jobs for f in os.listdir(folder) if f.split(".")[0] == j.name]
     if stale:
@@ -379,6 +389,6 @@ def simulated(jobs, machine: dict, policy: str, round_s: float, rates: dict, cos
 
     def restart(job, where, first) -> float:
         return (starts or {}).get((job.name, *where, first), cost(where[1])[0])
-    caps = {k: slots for k, (slots, _) in machine.items()}
+    caps = _slots(machine)
     return simulate(jobs, caps, policy, round_s, rates=rates, restart=restart,
                     stop=lambda job, where: cost(where[1])[1], **options)

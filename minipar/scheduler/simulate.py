@@ -66,8 +66,9 @@ class Result:
 
 def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=None,
              restart=None, stop=None, decide=None, **options) -> Result:
-    """Run `jobs` on `cluster` ({kind: chips} or a Cluster) under `policy` (policies.POLICIES; its
-    options, e.g. fairness= for "minipar"). rates: the throughput matrix (default: the planner's,
+    """Run `jobs` on `cluster` ({kind: chips} or a Cluster) under `policy` (a name of
+    policies.POLICIES, or a function of a policies.Round to an allocation; its options, e.g.
+    fairness= for "minipar"). rates: the throughput matrix (default: the planner's,
     throughput_matrix); restart(job, (kind, count), first) -> seconds a start on those chips costs,
     `first` for the job's first; stop(job, (kind, count)) -> seconds a stopped or moved job still
     holds those chips (its checkpoint written, its processes gone): whoever starts on that kind in
@@ -77,9 +78,8 @@ def simulate(jobs, cluster, policy: str = "fifo", round_s: float = 360.0, rates=
     caps = capacity(cluster)
     jobs = sorted(jobs, key=lambda j: j.arrival)
     rates = rates if rates is not None else throughput_matrix(jobs, caps)
-    _check(jobs, caps, rates, policy, round_s)
+    pick, policy = _check(jobs, caps, rates, policy, round_s)
     restart, stop = restart or gpu_restart, stop or gpu_stop
-    pick = policies.POLICIES[policy]
     chips = sum(caps.values())
     pending, active = collections.deque(jobs), []
     out = Result({}, {}, [], {j.name: 0 for j in jobs}, {}, 0.0, 0.0, policy=policy,
@@ -132,9 +132,10 @@ def _most_rounds(jobs: list, rates: dict, round_s: float) -> float:
     return 1000 + 100 * (jobs[-1].arrival + serial) / round_s
 
 
-def _check(jobs: list, caps: dict, rates: dict, policy: str, round_s: float) -> None:
-    """ValueError for what cannot be simulated: before any round runs."""
-    if policy not in policies.POLICIES:
+def _check(jobs: list, caps: dict, rates: dict, policy, round_s: float) -> tuple:
+    """ValueError for what cannot be simulated: before any round runs. Returns (the policy's
+    function, its name)."""
+    if not callable(policy) and policy not in policies.POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(policies.POLICIES)}")
     if not 0 < round_s < math.inf:
         raise ValueError(f"round_s must be positive, finite seconds, got {round_s!r}")
@@ -145,6 +146,7 @@ def _check(jobs: list, caps: dict, rates: dict, policy: str, round_s: float) -> 
                    for k in caps):
             raise ValueError(f"job {job.name} ({job.model}, batch {job.global_batch}) fits on "
                              f"no kind of {sorted(caps)} at the {job.scale} chips it asks for")
+    return (policy, policy.__name__) if callable(policy) else (policies.POLICIES[policy], policy)
 
 
 def _play(s, rate: float, t: float, round_s: float, tail: float, out: Result) -> float:
