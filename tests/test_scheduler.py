@@ -313,7 +313,8 @@ def shrink_round(a_owes: bool, b_first: bool = False) -> Round:
 def test_at_linear_scaling_the_elastic_job_shrinks_rather_than_rotate(b_first):
     # A on 2 chips half the rounds is as much throughput as on 1 chip every round: of the two
     # splits, minipar's takes the one that pauses nobody (rotating would restart both every round;
-    # without the tie-break the solver's pick follows the order of the columns)
+    # without the tie-break the solver's pick follows the order of the columns: the fractions catch
+    # it, this round's allocation alone would not, the fill giving A the free chip)
     view = shrink_round(False, b_first)
     fractions = policies._solve(view, elastic=True, objective="sum", fairness=0.8)
     assert fractions["A"][("a", 1)] == pytest.approx(1.0) and fractions["A"][("a", 2)] < 1e-6

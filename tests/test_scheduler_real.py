@@ -74,9 +74,9 @@ def prediction_holds(measured, planned, off):
 def test_a_job_shrinks_and_grows_in_another_layout_and_trains_as_one_process(costs, tmp_path):
     # A alone takes both cores (dp2); B's arrival shrinks it to one (a single process), B's end
     # grows it back: two restarts, each resuming the checkpoint in the other layout. B accepts one
-    # core only, so "one each" is minipar's choice whatever two cores' speed-up below 2 (with B
-    # elastic too, its fairness floor holds it only below about 1.81, and calibrations here read
-    # 1.64-1.88)
+    # core only, so "one each" is minipar's choice at any two-core speed-up up to 2, and
+    # machine_matrix holds it to 2 (calibrations here read 1.5-2.15; with B elastic too, its
+    # fairness floor would hold it only below about 1.81)
     jobs = [Job("A", "tiny", 64, 120, 0.0, 1, (1, 2)), Job("B", "tiny", 64, 40, 5.0, 1)]
     measured, planned, off = check_trace(jobs, CORES, "minipar", costs, tmp_path)
     a = [(count, label) for name, _, count, _, _, label in measured.segments if name == "A"]

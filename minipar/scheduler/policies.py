@@ -51,7 +51,7 @@ class JobState:
     current: tuple | None = None    # (kind, count) held last round
     received: dict = field(default_factory=dict)   # {(kind, count): rounds held}
     age: int = 0                    # rounds present before this one
-    owed: float = 0.0               # restart seconds still to pay
+    owed: float = 0.0               # restart seconds still to pay (runner: 1.0 while it owes)
     tailed: float = 0.0             # seconds of its final checkpoint and exit done
     never_ran: bool = True
     contention: float = 0.0         # sum over its rounds of the cluster's contention
@@ -186,8 +186,8 @@ def _solve(view: Round, elastic: bool, objective: str, fairness: float = 0.0) ->
         x, z = res.x[:-1], res.x[-1]
     if objective == "sum":
         extra = floor if fairness > 0 else []
-        # (ties: the more rounds run, 1e-6 a round: of two splits as good, the one that pauses
-        # the jobs less, so restarts them less)
+        # (ties: each unit of time fraction scores 1e-6 more, so of two splits as good the one
+        # that runs the jobs more of the rounds wins: it pauses them less, so restarts them less)
         res = linprog([-len(groups[c]) * (rate[i] / best[c] + 1e-6)
                        for i, (c, _) in enumerate(cols)],
                       A_ub=rows + extra,

@@ -110,7 +110,8 @@ def _plan_main() -> None:   # the pinned planner's entry: a JSON request on stdi
 
 def machine_matrix(jobs, machine: dict) -> tuple[dict, dict]:
     """(rates {job: {(kind, count): steps/s}}, layouts {(job type, kind, count): ParallelConfig})
-    from the planner on this machine, one process pinned to `count` cores for each count asked."""
+    from the planner on this machine, one process pinned to `count` cores for each count asked;
+    each count's step time held to linear scaling from the smaller counts (`_held_to_linear`)."""
     cores = cores_of(machine)
     counts = sorted({n for j in jobs for n in j.counts if any(n <= len(c) for c in
                                                               cores.values())})
@@ -141,8 +142,8 @@ def _held_to_linear(steps: dict) -> dict:
     """{(job type, kind, n): step s} with each step time on n cores held to at least m/n of the
     time on m < n cores. Each count's plan rests on its own calibration (pinned to that many cores,
     at its own moment), and their noise (up to 30% here) can put a 2-core plan above twice the
-    1-core one: no cores run data parallel faster than linearly, and a policy would rotate jobs to
-    chase it."""
+    1-core one: no layout runs faster than linearly in its cores, and a policy would rotate jobs to
+    chase the gain."""
     out = {}
     for (job_type, kind, n), t in sorted(steps.items(), key=lambda item: item[0][2]):
         fewer = [out[(job_type, kind, m)] * m / n for m in range(1, n)
@@ -220,7 +221,8 @@ class Measured:
     rates: dict = field(default_factory=dict)      # {job: {(kind, count): steps/s measured}}:
                                                    #   1 / the median step of its segments there
     starts: dict = field(default_factory=dict)     # {(job, kind, count, first start): s from its
-                                                   #   process's start to its first step's, median}
+                                                   #   process's start to the start of its first
+                                                   #   step (the step left out), median}
 
 
 @dataclass
@@ -261,12 +263,12 @@ def run(jobs, machine: dict, policy: str = "minipar", round_s: float = 2.0,
             now = time.monotonic() - t0
             if now > timeout:
                 raise TimeoutError(f"the trace did not finish in {timeout} s")
+            _first_steps(running, folder, now)
             for name, r in list(running.items()):   # exits: finished or preempted
                 if r.proc.poll() is not None:
                     free[r.where[0]] += r.cores
                     del running[name]
                     _ended(states[name], r, folder, out, now)
-            _first_steps(running, folder, now)
             if now >= next_round:
                 while pending and pending[0].arrival <= now:
                     job = pending.pop(0)
