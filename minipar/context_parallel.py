@@ -243,7 +243,7 @@ class _Gather(torch.autograd.Function):
 def _gathered(q, k, v, pos, group, stats):
     rank, n, _ = comm._group_info(group)
     pad = max(len(p) for p in pos)
-    kv = F.pad(torch.stack([k, v]), (0, 0, 0, pad - k.shape[2])).movedim(3, 0)  # (Tpad, 2, B, hk, d)
+    kv = F.pad(torch.stack([k, v]), (0, 0, 0, pad - k.shape[2])).movedim(3, 0)  # (Tpad,2,B,hk,d)
     every = _Gather.apply(kv, group, stats)
     rows = torch.cat([r * pad + torch.arange(len(p)) for r, p in enumerate(pos)])
     kv = every[rows].movedim(0, 3)                                               # (2, B, hk, T, d)

@@ -35,13 +35,14 @@ def test_the_balanced_split_evens_out_the_causal_work():
         total = seq_len * (seq_len + 1) // 2
         assert sum(balanced) == sum(contiguous) == total
         assert max(balanced) / min(balanced) < 1.01   # every rank about T^2 / (2 cp)
-        assert max(contiguous) / min(contiguous) > 2 * cp - 1.5   # the last rank's share vs the first's
+        assert max(contiguous) / min(contiguous) > 2 * cp - 1.5   # the last rank's vs the first's
 
 
 def test_positions_cover_the_sequence_once():
     for cp, seq_len in ((1, 5), (2, 4), (3, 13), (4, 17)):
         for balanced in (True, False):
-            held = sorted(int(p) for r in range(cp) for p in cpm.positions(seq_len, cp, r, balanced))
+            held = sorted(int(p) for r in range(cp)
+                          for p in cpm.positions(seq_len, cp, r, balanced))
             assert held == list(range(seq_len))
     assert cpm.positions(8, 2, 0).tolist() == [0, 1, 6, 7]   # chunks 0 and 3 of 4
 

@@ -1,5 +1,5 @@
-"""Workers for test_context_parallel: each rank computes the single-device attention of the whole
-sequence locally (same seed), then its context-parallel share, and returns how far apart they are."""
+"""Workers for test_context_parallel: each rank computes single-device attention of the whole
+sequence locally (same seed), then its context-parallel share, and returns how far apart."""
 import torch
 import torch.nn.functional as F
 
