@@ -346,6 +346,29 @@ def torch_all_gather(tensor: torch.Tensor, group=None, stats: CommStats | None =
     return out
 
 
+def all_to_all(x: torch.Tensor, sends: list, receives: list, group=None,
+               stats: CommStats | None = None, kind: str = "all_to_all") -> torch.Tensor:
+    """torch.distributed's all-to-all of rows, differentiable: x's rows (dim 0) in blocks of
+    sends[r] go to rank r, and the blocks of receives[r] rows from rank r come back in rank order;
+    the backward is the same exchange reversed. Counted under `kind` (rows to other ranks only)."""
+    return _AllToAll.apply(x, list(sends), list(receives), group, stats, kind)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sends, receives, group, stats, kind):
+        ctx.args = receives, sends, group, stats, kind
+        out = x.new_empty((sum(receives), *x.shape[1:]))
+        row = x[0].numel() * x.element_size() if len(x) else 0
+        _record(stats, kind, (sum(sends) - sends[dist.get_rank(group)]) * row, calls=1)
+        dist.all_to_all_single(out, x.contiguous(), receives, sends, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, *ctx.args), None, None, None, None, None
+
+
 @dataclass(frozen=True)
 class Collectives:
     """One implementation's all-reduce, reduce-scatter and all-gather: (tensor, group) -> tensor."""

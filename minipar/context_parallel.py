@@ -255,29 +255,6 @@ def _gathered(q, k, v, pos, group, stats):
 # -------------------------------------------------------------------------------- ulysses
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of x (dim 0) sent `sends[r]` to rank r, received `receives[r]` from rank r; the
-    backward is the same exchange reversed."""
-    @staticmethod
-    def forward(ctx, x, sends, receives, group, stats):
-        ctx.args = sends, receives, group, stats
-        return _exchange(x, sends, receives, group, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        sends, receives, group, stats = ctx.args
-        return _exchange(grad, receives, sends, group, stats), None, None, None, None
-
-
-def _exchange(x, sends, receives, group, stats):
-    rank = dist.get_rank(group)
-    out = x.new_empty((sum(receives), *x.shape[1:]))
-    row = x[0].numel() * x.element_size() if len(x) else 0
-    comm._record(stats, "cp_all_to_all", (sum(sends) - sends[rank]) * row, calls=1)
-    dist.all_to_all_single(out, x.contiguous(), receives, sends, group)
-    return out
-
-
 def _ulysses(q, k, v, pos, group, stats):
     rank, n, _ = comm._group_info(group)
     mine, every = len(pos[rank]), [len(p) for p in pos]
@@ -285,11 +262,12 @@ def _ulysses(q, k, v, pos, group, stats):
     # to rank g: my tokens of its heads; from rank g: its tokens of my heads, by rank
     send = torch.cat([torch.cat([q[:, g * hq:(g + 1) * hq], k[:, g * hk:(g + 1) * hk],
                                  v[:, g * hk:(g + 1) * hk]], 1).movedim(2, 0) for g in range(n)])
-    got = _AllToAll.apply(send, [mine] * n, every, group, stats)          # (T, B, hq + 2hk, d)
+    got = comm.all_to_all(send, [mine] * n, every, group, stats, "cp_all_to_all")  # (T,B,hq+2hk,d)
     order = torch.argsort(torch.cat(pos))                                 # rows to positions
     qkv = got[order].movedim(0, 2)                                        # (B, hq + 2hk, T, d)
     o = F.scaled_dot_product_attention(qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:],
                                        is_causal=True, enable_gqa=hk != hq)
     back = o.movedim(2, 0)[torch.cat(pos)]                                # rows by rank again
-    mine_all = _AllToAll.apply(back, every, [mine] * n, group, stats)     # (n T_r, B, hq, d)
+    # (n T_r, B, hq, d): my tokens, every rank's heads, by rank
+    mine_all = comm.all_to_all(back, every, [mine] * n, group, stats, "cp_all_to_all")
     return torch.cat(mine_all.split(mine, 0), 2).movedim(0, 2)            # (B, n hq, T_r, d)

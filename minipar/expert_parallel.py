@@ -1,0 +1,78 @@
+"""Expert parallelism: a mixture-of-experts layer's experts cut over the ranks of an EP group, each
+rank's tokens sent to the ranks that hold their experts and the results brought back (GShard,
+Lepikhin et al. 2021; DeepSpeed-MoE, Rajbhandari et al. 2022).
+
+Every rank holds the router and n / ep experts (rank r: experts r n/ep ... (r+1) n/ep - 1) and
+routes its own tokens exactly as the single-device layer would (`moe.MoE.route`, capacity counted
+over this rank's tokens, GShard's "groups"). Then:
+
+    counts     how many of my token-slots go to each expert: an all-to-all of n/ep counts per rank,
+               so every rank knows how many rows it will receive from whom (the splits are uneven)
+    dispatch   an all-to-all of the token rows, each rank's block sorted by expert
+    experts    each local expert runs once on every row sent to it (from any rank; none is fine)
+    combine    the outputs back by the reverse all-to-all, weighted by their gates and summed into
+               the tokens' rows, as on one device
+
+Bytes a rank sends, forward and backward, for rows of h elements of e bytes: 2 (a + b) h e, where a
+is its slots bound for other ranks and b the slots other ranks send it (dispatch out, combine
+back, each again reversed in the backward); plus the counts. Gradients: a local expert's are the
+sum over every rank's tokens routed to it, as on one device; the router's are this rank's tokens'
+(data parallelism across the EP group averages them, as it does every replicated weight).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minipar import comm
+from minipar.moe import MoE, Routing
+
+
+class ExpertParallel(nn.Module):
+    """`moe`'s router and this rank's n / ep experts (copied from it: every rank builds the full
+    layer from one seed, then keeps its share); forward(x) -> (y, Routing), as MoE's."""
+
+    def __init__(self, moe: MoE, group=None, stats: comm.CommStats | None = None):
+        super().__init__()
+        rank, ep, _ = comm._group_info(group)
+        if moe.n_expert % ep:
+            raise ValueError(f"expert parallelism {ep} must divide the experts ({moe.n_expert})")
+        self.group, self.stats, self.ep, self.rank = group, stats, ep, rank
+        self.local = moe.n_expert // ep
+        mine = slice(rank * self.local, (rank + 1) * self.local)
+        self.moe = moe   # its router and routing rules; its experts cut to this rank's below
+        for name in ("fc", "fc_bias", "proj", "proj_bias"):
+            setattr(moe, name, nn.Parameter(getattr(moe, name).detach()[mine].clone()))
+
+    def forward(self, x: torch.Tensor):
+        shape, moe = x.shape, self.moe
+        x = x.reshape(-1, shape[-1])
+        routing: Routing = moe.route(x)
+        keep = routing.kept.flatten()
+        experts = routing.experts.flatten()[keep]
+        tokens = torch.arange(len(x), device=x.device).repeat_interleave(moe.top_k)[keep]
+        order = torch.argsort(experts, stable=True)          # by expert, so by owner rank
+        experts, tokens = experts[order], tokens[order]
+        gates = routing.gates.flatten()[keep][order]
+        # counts first: [source rank][local expert] rows arrive here
+        mine = routing.counts.to(torch.int64)
+        arrive = torch.empty_like(mine)
+        comm._record(self.stats, "ep_counts", (self.ep - 1) * self.local * 8, calls=1)
+        dist.all_to_all_single(arrive, mine, group=self.group)
+        sends = mine.view(self.ep, self.local).sum(1).tolist()
+        per = arrive.view(self.ep, self.local)                          # (source, local expert)
+        rows = comm.all_to_all(x[tokens], sends, per.sum(1).tolist(), self.group, self.stats,
+                               "ep_dispatch")
+        # the rows of each local expert, from every source in rank order
+        blocks = rows.split(per.flatten().tolist())
+        by_expert = [torch.cat([blocks[s * self.local + e] for s in range(self.ep)])
+                     for e in range(self.local)]
+        outs = [moe.expert(e, part) for e, part in enumerate(by_expert)]
+        # back to (source, expert) order, then home
+        done = [outs[e].split(per[:, e].tolist()) for e in range(self.local)]
+        back = torch.cat([done[e][s] for s in range(self.ep) for e in range(self.local)])
+        home = comm.all_to_all(back, per.sum(1).tolist(), sends, self.group, self.stats,
+                               "ep_combine")
+        y = torch.zeros_like(x).index_add(0, tokens, home * gates.to(x.dtype)[:, None])
+        return y.view(shape), routing
