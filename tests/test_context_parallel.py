@@ -53,3 +53,14 @@ def test_positions_cover_the_sequence_once():
 def test_a_split_that_cannot_work_is_refused(args, message):
     with pytest.raises(ValueError, match=message):
         cpm.positions(*args)
+
+
+def test_pytorchs_context_parallel_does_not_run_on_this_cpu():
+    # the peer of the bench: torch.distributed.tensor.experimental.context_parallel replaces the
+    # CUDA SDPA kernels (flash, efficient, cuDNN) with its ring; on a CPU the SDPA op it meets has
+    # no sharding rule, and the math backend mixes plain tensors with DTensors. When a torch runs
+    # it here, this test fails: then compare it side by side (bench/)
+    flash, math = (minipar.launch(workers_cp.torch_context_parallel, 2, m, timeout=120)[0]
+                   for m in (False, True))
+    assert "_scaled_dot_product_flash_attention_for_cpu" in flash and "sharding" in flash
+    assert "mixed torch.Tensor and DTensor" in math

@@ -30,3 +30,21 @@ def attention_errors(method, seq_len, hq, hk, balanced=True, batch=2, d=8):
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         errors[name] = _rel(a.grad, part(b.grad))
     return errors, dict(stats.bytes_sent), dict(stats.calls)
+
+
+def torch_context_parallel(math: bool = False):
+    """PyTorch's own context parallelism on this rank's CPU: what it raises (None if it runs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), \
+                sdpa_kernel(SDPBackend.MATH if math else SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except (NotImplementedError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
