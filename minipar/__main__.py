@@ -22,7 +22,7 @@ import torch
 
 from minipar import checkpoint, hardware, preflight
 from minipar import data as dataset
-from minipar.config import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
+from minipar.config import CP_METHODS, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from minipar.data import TOKENIZERS
 from minipar.launch import WorkerError, WorkerTimeout
 from minipar.server import torchrun_rank
@@ -79,6 +79,10 @@ def train_parser(sub) -> argparse.ArgumentParser:
     par.add_argument("--pp", type=int, default=1, help="pipeline stages")
     par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage over the data-parallel ranks")
+    par.add_argument("--cp", type=int, default=1,
+                     help="context-parallel ranks: each sequence's tokens split over them")
+    par.add_argument("--cp-method", default="ring", choices=CP_METHODS,
+                     help="how attention reaches the other ranks' tokens (with --cp > 1)")
     par.add_argument("--microbatches", type=int, default=1,
                      help="per data-parallel rank: pipeline micro-batches, or accumulation steps")
     par.add_argument("--virtual-stages", type=int, default=1,
@@ -153,16 +157,17 @@ def layout_of(args) -> ParallelConfig:
     dp = args.dp
     world = int(os.environ["WORLD_SIZE"]) if torchrun_rank() is not None else None
     if dp is None:
-        dp = world // (args.tp * args.pp) if world else 1
-        if world and dp * args.tp * args.pp != world:
+        dp = world // (args.tp * args.pp * args.cp) if world else 1
+        if world and dp * args.tp * args.pp * args.cp != world:
             raise ValueError(f"torchrun started {world} processes, which --tp {args.tp} x --pp "
-                             f"{args.pp} does not divide: give --dp, --tp and --pp whose product "
-                             f"is {world}")
+                             f"{args.pp} x --cp {args.cp} does not divide: give --dp, --tp, --pp "
+                             f"and --cp whose product is {world}")
     return ParallelConfig(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero,
                           microbatches=args.microbatches, schedule=args.schedule or "1f1b",
                           virtual_stages=args.virtual_stages,
                           sequence_parallel=args.sequence_parallel, precision=args.precision,
-                          recompute=args.recompute, reduce_fp32=not args.reduce_16bit)
+                          recompute=args.recompute, reduce_fp32=not args.reduce_16bit,
+                          cp=args.cp, cp_method=args.cp_method)
 
 
 def run_train(args) -> None:
@@ -201,7 +206,8 @@ def run_train(args) -> None:
         print(f"checkpoint of {res.preempted} steps saved to {args.save}: --resume it to continue")
     predicted = res.predicted_memory or [{}] * len(res.peak_memory)
     print("memory per rank after the first step (states; activations at their most), MiB, "
-          "measured (predicted by memory.predict):")
+          "measured" + (" (predicted by memory.predict):" if res.predicted_memory else
+                        " (memory.predict does not model context parallelism yet):"))
     for rank, (mem, pred) in enumerate(zip(res.peak_memory, predicted)):
         print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})"
                                                                        if k in pred else "")

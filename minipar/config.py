@@ -17,6 +17,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 RECOMPUTE = ("none", "selective", "full")
 DP_MODES = ("naive", "bucketed")
 COLLECTIVES = ("minipar", "torch")
+CP_METHODS = ("ring", "all-gather", "ulysses")   # context_parallel.METHODS
 
 
 def tp_sizes(cfg) -> dict[str, int]:
@@ -76,10 +77,18 @@ class ParallelConfig:
     stage_tp: tuple | None = None    # the TP degree of each pipeline stage (pp of them): uneven,
                                      #   e.g. more chips on a slower kind's stages (`tp` is then
                                      #   their largest); None: tp on every stage
+    cp: int = 1                      # context-parallel ranks: each sequence's tokens split over
+                                     #   them (context_parallel.py); between tp and dp in the grid
+    cp_method: str = "ring"          # how attention reaches the other ranks' tokens: "ring",
+                                     #   "all-gather" or "ulysses" (CP_METHODS)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages", "cp"):
             _positive_int(name, getattr(self, name))
+        _one_of("cp_method", self.cp_method, CP_METHODS)
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1 or self.zero == 3):
+            raise ValueError("ParallelConfig.cp > 1 combines with dp, ZeRO 1-2, micro-batches, "
+                             "precision and recomputation; not yet with tp, pp or zero=3")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool) or \
                 self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -170,7 +179,7 @@ class ParallelConfig:
 
     @property
     def world(self) -> int:
-        return self.dp * (sum(self.stage_tp) if self.stage_tp else self.tp * self.pp)
+        return self.dp * self.cp * (sum(self.stage_tp) if self.stage_tp else self.tp * self.pp)
 
     def tp_at(self, pp_rank: int) -> int:
         """The TP degree of pipeline stage `pp_rank`."""
@@ -256,6 +265,13 @@ class ParallelConfig:
                 validate(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ValueError as e:
                 raise ValueError(f"ParallelConfig (pp = stages = {self.pp}): {e}") from None
+        if self.cp > 1 and cfg.seq_len < 2 * self.cp:
+            raise ValueError(f"ParallelConfig.cp ({self.cp}) cuts seq_len ({cfg.seq_len}) into "
+                             f"2 cp chunks (the causal balance): seq_len must be >= {2 * self.cp}")
+        if self.cp_method == "ulysses" and (cfg.n_head % self.cp or cfg.kv_heads % self.cp):
+            raise ValueError(f"ParallelConfig.cp_method='ulysses' splits the heads: n_head "
+                             f"({cfg.n_head}) and n_kv_head ({cfg.kv_heads}) must divide by cp "
+                             f"({self.cp})")
         if self.sequence_parallel and cfg.seq_len % self.tp:
             raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp "
                              f"({self.tp})")

@@ -91,19 +91,59 @@ def attention(q, k, v, seq_len: int, group=None, method: str = "ring", balanced:
 
 
 def sent(method: str, seq_len: int, cp: int, rank: int, batch: int, hq: int, hk: int, d: int,
-         elem: int, balanced: bool = True) -> dict:
-    """{kind: bytes} rank sends for one forward and backward of `attention` (module docstring)."""
+         elem: int, balanced: bool = True, backward: bool = True) -> dict:
+    """{kind: bytes} rank sends for one forward and (backward=True) backward of `attention`
+    (module docstring)."""
     t = [len(positions(seq_len, cp, r, balanced)) for r in range(cp)]
     kv = 2 * batch * hk * d * elem   # K and V of one token
     if cp == 1:
         return {}
     if method == "ring":
-        return {"cp_ring": 2 * kv * (seq_len - t[(rank + 1) % cp]) + kv * seq_len}
+        forward = kv * (seq_len - t[(rank + 1) % cp])
+        return {"cp_ring": forward + backward * (forward + kv * seq_len)}
     if method == "all-gather":
-        return {"all_gather": kv * (cp - 1) * max(t), "reduce_scatter": kv * (cp - 1) * max(t)}
-    # each all-to-all sends my tokens out (cp - 1 times) and, reversed, everyone else's back
-    rows = t[rank] * (cp - 1) + seq_len - t[rank]
-    return {"cp_all_to_all": batch * d * elem * (hq + 2 * hk + hq) // cp * rows}
+        return {"all_gather": kv * (cp - 1) * max(t),
+                "reduce_scatter": backward * kv * (cp - 1) * max(t)}
+    # my tokens out (cp - 1 times), and everyone else's back; the backward the same reversed
+    out, back = (hq + 2 * hk) // cp, hq // cp
+    forward = out * t[rank] * (cp - 1) + back * (seq_len - t[rank])
+    reverse = out * (seq_len - t[rank]) + back * t[rank] * (cp - 1)
+    return {"cp_all_to_all": batch * d * elem * (forward + backward * reverse)}
+
+
+# ---------------------------------------------------------------------- applied to the model
+
+
+def group_of(mesh, cp: int):
+    """(this rank's CP group, its rank in it): cp consecutive ranks of the DP axis of a mesh built
+    with dp * cp replicas (Megatron's order, tp innermost, then cp, then dp). Collective: every
+    rank creates every group, in the same order."""
+    mine = None
+    for first in range(0, mesh.dp, cp):
+        ranks = [mesh.global_rank(first + i, mesh.tp_rank, mesh.pp_rank) for i in range(cp)]
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine, mesh.dp_rank % cp
+
+
+def apply_cp(model, loss_fn, group, method: str, stats: comm.CommStats | None = None):
+    """This rank's share of every sequence, in place: the model takes its tokens (and their
+    positions' embeddings), attention reaches the group's other tokens by `method`, and the loss
+    over its tokens is weighted by cp T_r / T, so that the average over the dp x cp ranks (the
+    gradient reduction's) is the mean over every token. Returns that loss function."""
+    rank, cp, _ = comm._group_info(group)
+    seq_len = model.cfg.seq_len
+    if model.cfg.dropout:
+        raise ValueError("context parallelism needs dropout 0: each rank would drop other "
+                         "attention weights than the single device")
+    pos = positions(seq_len, cp, rank).to(model.pos_emb.weight.device)
+    model.register_forward_pre_hook(lambda _, args: (args[0].index_select(1, pos),))
+    model.pos_emb.register_forward_pre_hook(lambda _, args: (pos[args[0]],))
+    for block in model.blocks:
+        block.attn.core = lambda q, k, v: attention(q, k, v, seq_len, group, method, True, stats)
+    weight = cp * len(pos) / seq_len
+    return lambda logits, targets: loss_fn(logits, targets.index_select(1, pos)) * weight
 
 
 # ------------------------------------------------------------------ blocks and their merge

@@ -388,7 +388,10 @@ def loss_bytes(cfg, b: int, t: int, e: int) -> tuple[int, int]:
 
 
 def predict_ranks(cfg, par, global_batch: int) -> list[dict]:
-    """`predict` for every rank of the layout, in rank order (ZeRO's shard: its DP rank's)."""
+    """`predict` for every rank of the layout, in rank order (ZeRO's shard: its DP rank's); []
+    with context parallelism, which the memory model does not know yet."""
+    if par.cp > 1:
+        return []
     grid = [Mesh(par.dp, par.tp, par.pp, rank=r, stage_tp=par.stage_tp).coords()
             for r in range(par.world)]
     return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]

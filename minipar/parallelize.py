@@ -4,7 +4,9 @@
 
   1. tensor parallelism  cuts every matrix of the full model. It goes first: it replaces
                          modules, and everything after holds references to the modules and
-                         parameters it leaves.
+                         parameters it leaves. Context parallelism then gives the model this
+                         rank's tokens and attention its ring (or all-gather, or all-to-all); its
+                         ranks hold the same weights, so DP and ZeRO below run over dp x cp ranks.
   2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest,
                          so the steps below see only this rank's parameters.
   3. recomputation       wraps the blocks this rank holds (their forward, or their attention core).
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipar import checkpoint, memory
+from minipar import checkpoint, context_parallel, memory
 from minipar.clip import ClipGradNorm
 from minipar.comm import CommStats
 from minipar.config import ParallelConfig
@@ -202,7 +204,7 @@ def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, me
     par.reduce_fp32 on one rank too, where its fp32 buffers are the masters' .grad (fp32
     accumulation). None: autograd's own .grad is all there is."""
     fp32_grads = mp.master is not None and par.reduce_fp32
-    if par.dp == 1 and not fp32_grads:
+    if par.dp * par.cp == 1 and not fp32_grads:
         return None
     sync = dict(collectives=par.collectives, stats=stats, dtype=grad_dtype(par),
                 holders=list(mp.master) if fp32_grads else None)
@@ -226,6 +228,9 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives, stats)
         model = apply_tp(model, tp)
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
+    if par.cp > 1:                                                   # 1b. context parallelism
+        cp_group, _ = context_parallel.group_of(mesh, par.cp)
+        loss_fn = context_parallel.apply_cp(model, loss_fn, cp_group, par.cp_method, stats)
     if par.pp > 1:                                                          # 2. pipeline stages
         chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages,
                                  layers=par.stage_layers)

@@ -21,8 +21,8 @@ def rows(par, mesh, global_batch: int) -> tuple[int, int, float]:
     (uneven with par.dp_shares). Its loss is the mean over its rows; DP averages gradients over the
     dp ranks, so weighting the loss by count / global_batch * dp makes that average the mean over
     the global batch (1.0 when even)."""
-    shares = par.dp_rows(global_batch)
-    start, count = sum(shares[:mesh.dp_rank]), shares[mesh.dp_rank]
+    shares, replica = par.dp_rows(global_batch), mesh.dp_rank // par.cp   # (CP: dp x cp replicas)
+    start, count = sum(shares[:replica]), shares[replica]
     return start, count, count * par.dp / global_batch
 
 
@@ -84,7 +84,8 @@ def evaluate(run: Parallel, par, mesh, data, cfg, global_batch, seed, rows, devi
         total += run.evaluate(microbatches(x, rows, par, device),
                               microbatches(y, rows, par, device))
     loss = total / batches
-    return sum_over(loss * rows[2], mesh.dp_group) / par.dp if par.dp > 1 else loss
+    n = par.dp * par.cp
+    return sum_over(loss * rows[2], mesh.dp_group) / n if n > 1 else loss
 
 
 def sum_over(value: float, group) -> float:

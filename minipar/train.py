@@ -260,7 +260,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
     device = device or _device()
     data = data if isinstance(data, dataset.Dataset) else dataset.prepare(data)
     after_compute = after_compute or hardware.throttle(slowdown)  # built here: a job is pickled
-    mesh, stats = Mesh.build(par.dp, par.tp, par.pp, par.stage_tp), comm.CommStats()
+    # context parallelism's ranks are replicas of the weights: the DP axis holds dp x cp of them
+    mesh, stats = Mesh.build(par.dp * par.cp, par.tp, par.pp, par.stage_tp), comm.CommStats()
     torch.manual_seed(seed)
     # the full model on every rank, then cut: every layout trains the same one
     model = GPT(cfg).to(device)
@@ -300,8 +301,8 @@ def train_rank(*, cfg: GPTConfig, par: ParallelConfig, steps: int, global_batch:
             out.step_memory, out.timeline = _peaks(tracker), tracker.timeline
             out.tracked_activations = tracker.most.get("activations", 0)  # (the meter sat out)
         # metrics: the global mean loss; memory at the first step (grads held, optimizer state new)
-        if par.dp > 1:
-            loss = share.sum_over(loss * rows[2], mesh.dp_group) / par.dp
+        if par.dp * par.cp > 1:   # (CP's ranks weigh their tokens' share: apply_cp)
+            loss = share.sum_over(loss * rows[2], mesh.dp_group) / (par.dp * par.cp)
         if step == first:
             out.memory = run.tally()
         run.optimizer.zero_grad()

@@ -3,13 +3,18 @@
 Each method's output and its q, k, v gradients equal the single-device attention's, restricted to
 the rank's tokens (float64, so to rounding), at cp 2 and 3, lengths that do not divide evenly, with
 grouped-query attention, balanced and contiguous; the bytes each rank sends equal `sent`'s
-formulas; the balanced split evens out the causal work.
+formulas; the balanced split evens out the causal work. Training: losses and weights equal the
+single-process run for every method, with dp, ZeRO 1-2, micro-batches and recomputation, cp 2 and
+3 (64 tokens in 6 uneven chunks), and the bytes of each step are the formulas again; what does not
+work yet is refused before any process starts.
 """
 import pytest
 import workers_cp
+from reference import assert_same_training
 
 import minipar
 from minipar import context_parallel as cpm
+from minipar.config import ParallelConfig
 
 CASES = [("ring", 2, 12, 4, 2, True), ("ring", 3, 13, 6, 3, True), ("ring", 3, 11, 6, 2, False),
          ("ring", 4, 17, 4, 1, True), ("all-gather", 2, 12, 4, 2, True),
@@ -64,3 +69,53 @@ def test_pytorchs_context_parallel_does_not_run_on_this_cpu():
                    for m in (False, True))
     assert "_scaled_dot_product_flash_attention_for_cpu" in flash and "sharding" in flash
     assert "mixed torch.Tensor and DTensor" in math
+
+
+# ------------------------------------------------------------------- training, every layout
+
+TINY = minipar.GPTConfig.preset("tiny")          # 4 layers, 4 heads, h 64, s 64
+KW = dict(steps=3, global_batch=8, lr=1e-3, weight_decay=0.1, seed=0, return_state=True)
+LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=3, cp_method="all-gather"),
+           ParallelConfig(cp=2, cp_method="ulysses"), ParallelConfig(cp=2, dp=2),
+           ParallelConfig(cp=2, zero=1, microbatches=2),
+           ParallelConfig(cp=3, recompute="selective"),
+           ParallelConfig(cp=2, cp_method="all-gather", zero=2, recompute="full")]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return minipar.train(TINY, ParallelConfig(), **KW)
+
+
+@pytest.mark.parametrize("par", LAYOUTS, ids=[par.label for par in LAYOUTS])
+def test_training_with_context_parallelism_is_the_single_process_run(par, reference):
+    res = minipar.train(TINY, par, **KW)
+    assert_same_training(res, reference)
+    b = KW["global_batch"] // (par.dp * par.microbatches)   # rows of a micro-batch
+    kinds = {"ring": ["cp_ring"], "all-gather": ["all_gather", "reduce_scatter"],
+             "ulysses": ["cp_all_to_all"]}[par.cp_method]
+    for rank, sent in enumerate(res.comm_bytes):   # dp x cp ranks, cp innermost
+        formula = cpm.sent(par.cp_method, 64, par.cp, rank % par.cp, b, 4, 4, 16, 4)
+        recomputed = 2 if par.recompute != "none" else 1   # the forward's exchanges again
+        forward = cpm.sent(par.cp_method, 64, par.cp, rank % par.cp, b, 4, 4, 16, 4, backward=False)
+        for kind in kinds:
+            per_layer = formula[kind] + (recomputed - 1) * forward.get(kind, 0)
+            if par.zero and kind in ("all_gather", "reduce_scatter"):
+                continue   # ZeRO's own gathers share the names (test_zero counts them)
+            assert sent[kind] == KW["steps"] * par.microbatches * TINY.n_layer * per_layer, kind
+
+
+@pytest.mark.parametrize("par,cfg,message", [
+    (dict(cp=2, tp=2), TINY, "not yet with tp"), (dict(cp=2, pp=2), TINY, "not yet with tp"),
+    (dict(cp=2, zero=3), TINY, "not yet with tp"), (dict(cp_method="star"), TINY, "cp_method"),
+    (dict(cp=5), TINY.replace(seq_len=9), "seq_len must be >= 10"),
+    (dict(cp=3, cp_method="ulysses"), TINY, "n_head \\(4\\) and n_kv_head \\(4\\) must divide")])
+def test_a_context_parallel_layout_that_cannot_work_is_refused_before_any_process(par, cfg,
+                                                                                  message):
+    with pytest.raises(ValueError, match=message):
+        minipar.train(cfg, ParallelConfig(**par), steps=1, global_batch=4)
+
+
+def test_the_planner_says_it_does_not_model_context_parallelism_yet():
+    with pytest.raises(ValueError, match="does not model context parallelism yet"):
+        minipar.estimate(TINY, ParallelConfig(cp=2), minipar.Cluster.preset("dgx-a100-80g"), 8)

@@ -345,5 +345,8 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     gradients reduced after backward; with a pipeline its engine's blocking messages, 1F1B and
     ZeRO 0 or 1 only); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed from
     minipar's own measured layers, whatever `overlap` says."""
+    if par.cp > 1:
+        raise ValueError("the planner does not model context parallelism yet: estimate layouts "
+                         "with cp = 1")
     est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention, overlap)
     return refine(cfg, time_layout(cfg, est))
