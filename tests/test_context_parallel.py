@@ -9,8 +9,9 @@ single-process run for every method, with dp, ZeRO 1-2, micro-batches and recomp
 work yet is refused before any process starts.
 """
 import pytest
+import torch
 import workers_cp
-from reference import assert_same_training
+from reference import assert_same_training, rel_diff
 
 import minipar
 from minipar import context_parallel as cpm
@@ -119,3 +120,24 @@ def test_a_context_parallel_layout_that_cannot_work_is_refused_before_any_proces
 def test_the_planner_says_it_does_not_model_context_parallelism_yet():
     with pytest.raises(ValueError, match="does not model context parallelism yet"):
         minipar.estimate(TINY, ParallelConfig(cp=2), minipar.Cluster.preset("dgx-a100-80g"), 8)
+
+
+def test_a_checkpoint_resumes_from_one_context_parallel_layout_in_another(tmp_path, reference):
+    path = str(tmp_path / "cp.pt")
+    minipar.train(TINY, ParallelConfig(cp=2, zero=1), **{**KW, "steps": 2}, save=path)
+    rest = minipar.train(TINY, ParallelConfig(cp=3, cp_method="all-gather"), **KW, resume=path)
+    assert len(rest.losses) == 1 and rest.losses[0] == pytest.approx(reference.losses[2], rel=1e-5)
+    flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
+    assert rel_diff(flat(rest.state_dict), flat(reference.state_dict)) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallelism_in_bf16_keeps_to_the_16_bit_bounds(method):
+    # test_precision_dp's bounds: losses within 1e-4, the whole model within 2e-3 (the 16-bit
+    # matmuls of part of a sequence need not round like those of the whole)
+    kw = dict(KW, steps=4)
+    ref = minipar.train(TINY, ParallelConfig(precision="bf16"), **kw)
+    got = minipar.train(TINY, ParallelConfig(precision="bf16", cp=2, cp_method=method), **kw)
+    assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4
+    flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
+    assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 2e-3
