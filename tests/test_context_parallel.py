@@ -83,6 +83,10 @@ LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=3, cp_method="all-gather"),
            ParallelConfig(cp=2, cp_method="all-gather", zero=2, recompute="full")]
 
 
+def flat(state):
+    return torch.cat([state[k].double().flatten() for k in sorted(state)])
+
+
 @pytest.fixture(scope="module")
 def reference():
     return minipar.train(TINY, ParallelConfig(), **KW)
@@ -127,7 +131,6 @@ def test_a_checkpoint_resumes_from_one_context_parallel_layout_in_another(tmp_pa
     minipar.train(TINY, ParallelConfig(cp=2, zero=1), **{**KW, "steps": 2}, save=path)
     rest = minipar.train(TINY, ParallelConfig(cp=3, cp_method="all-gather"), **KW, resume=path)
     assert len(rest.losses) == 1 and rest.losses[0] == pytest.approx(reference.losses[2], rel=1e-5)
-    flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
     assert rel_diff(flat(rest.state_dict), flat(reference.state_dict)) <= 1e-5
 
 
@@ -139,5 +142,4 @@ def test_context_parallelism_in_bf16_keeps_to_the_16_bit_bounds(method):
     ref = minipar.train(TINY, ParallelConfig(precision="bf16"), **kw)
     got = minipar.train(TINY, ParallelConfig(precision="bf16", cp=2, cp_method=method), **kw)
     assert max(abs(a - b) / b for a, b in zip(got.losses, ref.losses)) < 1e-4
-    flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
     assert rel_diff(flat(got.state_dict), flat(ref.state_dict)) < 2e-3
