@@ -86,9 +86,10 @@ class ParallelConfig:
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages", "cp"):
             _positive_int(name, getattr(self, name))
         _one_of("cp_method", self.cp_method, CP_METHODS)
-        if self.cp > 1 and (self.tp > 1 or self.pp > 1 or self.zero == 3):
-            raise ValueError("ParallelConfig.cp > 1 combines with dp, ZeRO 1-2, micro-batches, "
-                             "precision and recomputation; not yet with tp, pp or zero=3")
+        if self.cp > 1 and (self.pp > 1 or self.zero == 3 or self.sequence_parallel):
+            raise ValueError("ParallelConfig.cp > 1 combines with dp, tp, ZeRO 1-2, micro-batches, "
+                             "precision and recomputation; not yet with pp, zero=3 or "
+                             "sequence_parallel")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool) or \
                 self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -268,10 +269,14 @@ class ParallelConfig:
         if self.cp > 1 and cfg.seq_len < 2 * self.cp:
             raise ValueError(f"ParallelConfig.cp ({self.cp}) cuts seq_len ({cfg.seq_len}) into "
                              f"2 cp chunks (the causal balance): seq_len must be >= {2 * self.cp}")
-        if self.cp_method == "ulysses" and (cfg.n_head % self.cp or cfg.kv_heads % self.cp):
+        if self.cp > 1 and cfg.dropout:
+            raise ValueError("ParallelConfig.cp > 1 needs GPTConfig.dropout 0: the CP ranks would "
+                             "drop other attention weights than the single device")
+        heads = self.cp * self.tp   # Ulysses splits a TP rank's heads over the CP ranks
+        if self.cp_method == "ulysses" and (cfg.n_head % heads or cfg.kv_heads % heads):
             raise ValueError(f"ParallelConfig.cp_method='ulysses' splits the heads: n_head "
                              f"({cfg.n_head}) and n_kv_head ({cfg.kv_heads}) must divide by cp "
-                             f"({self.cp})")
+                             f"* tp ({self.cp} * {self.tp})")
         if self.sequence_parallel and cfg.seq_len % self.tp:
             raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp "
                              f"({self.tp})")

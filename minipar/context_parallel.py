@@ -119,11 +119,13 @@ def group_of(mesh, cp: int):
     with dp * cp replicas (Megatron's order, tp innermost, then cp, then dp). Collective: every
     rank creates every group, in the same order."""
     mine = None
-    for first in range(0, mesh.dp, cp):
-        ranks = [mesh.global_rank(first + i, mesh.tp_rank, mesh.pp_rank) for i in range(cp)]
-        group = dist.new_group(ranks)
-        if mesh.rank in ranks:
-            mine = group
+    for pp_rank in range(mesh.pp):
+        for tp_rank in range(mesh.tp_at(pp_rank)):
+            for first in range(0, mesh.dp, cp):
+                ranks = [mesh.global_rank(first + i, tp_rank, pp_rank) for i in range(cp)]
+                group = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mine = group
     return mine, mesh.dp_rank % cp
 
 
@@ -134,9 +136,6 @@ def apply_cp(model, loss_fn, group, method: str, stats: comm.CommStats | None = 
     gradient reduction's) is the mean over every token. Returns that loss function."""
     rank, cp, _ = comm._group_info(group)
     seq_len = model.cfg.seq_len
-    if model.cfg.dropout:
-        raise ValueError("context parallelism needs dropout 0: each rank would drop other "
-                         "attention weights than the single device")
     pos = positions(seq_len, cp, rank).to(model.pos_emb.weight.device)
     model.register_forward_pre_hook(lambda _, args: (args[0].index_select(1, pos),))
     model.pos_emb.register_forward_pre_hook(lambda _, args: (pos[args[0]],))

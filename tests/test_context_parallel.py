@@ -80,7 +80,9 @@ LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=3, cp_method="all-gather"),
            ParallelConfig(cp=2, cp_method="ulysses"), ParallelConfig(cp=2, dp=2),
            ParallelConfig(cp=2, zero=1, microbatches=2),
            ParallelConfig(cp=3, recompute="selective"),
-           ParallelConfig(cp=2, cp_method="all-gather", zero=2, recompute="full")]
+           ParallelConfig(cp=2, cp_method="all-gather", zero=2, recompute="full"),
+           ParallelConfig(cp=2, tp=2), ParallelConfig(cp=2, tp=2, cp_method="ulysses"),
+           ParallelConfig(cp=3, tp=2, cp_method="all-gather", dp_mode="naive")]
 
 
 def flat(state):
@@ -99,22 +101,28 @@ def test_training_with_context_parallelism_is_the_single_process_run(par, refere
     b = KW["global_batch"] // (par.dp * par.microbatches)   # rows of a micro-batch
     kinds = {"ring": ["cp_ring"], "all-gather": ["all_gather", "reduce_scatter"],
              "ulysses": ["cp_all_to_all"]}[par.cp_method]
-    for rank, sent in enumerate(res.comm_bytes):   # dp x cp ranks, cp innermost
-        formula = cpm.sent(par.cp_method, 64, par.cp, rank % par.cp, b, 4, 4, 16, 4)
+    heads = 4 // par.tp   # a TP rank's
+    for rank, sent in enumerate(res.comm_bytes):   # tp innermost, then cp
+        cp_rank = rank // par.tp % par.cp
+        formula = cpm.sent(par.cp_method, 64, par.cp, cp_rank, b, heads, heads, 16, 4)
         recomputed = 2 if par.recompute != "none" else 1   # the forward's exchanges again
-        forward = cpm.sent(par.cp_method, 64, par.cp, rank % par.cp, b, 4, 4, 16, 4, backward=False)
+        forward = cpm.sent(par.cp_method, 64, par.cp, cp_rank, b, heads, heads, 16, 4,
+                           backward=False)
         for kind in kinds:
             per_layer = formula[kind] + (recomputed - 1) * forward.get(kind, 0)
-            if par.zero and kind in ("all_gather", "reduce_scatter"):
-                continue   # ZeRO's own gathers share the names (test_zero counts them)
+            if (par.zero or par.tp > 1) and kind in ("all_gather", "reduce_scatter"):
+                continue   # ZeRO's and TP's own gathers share the names (their tests count them)
             assert sent[kind] == KW["steps"] * par.microbatches * TINY.n_layer * per_layer, kind
 
 
 @pytest.mark.parametrize("par,cfg,message", [
-    (dict(cp=2, tp=2), TINY, "not yet with tp"), (dict(cp=2, pp=2), TINY, "not yet with tp"),
-    (dict(cp=2, zero=3), TINY, "not yet with tp"), (dict(cp_method="star"), TINY, "cp_method"),
+    (dict(cp=2, pp=2), TINY, "not yet with pp"), (dict(cp=2, zero=3), TINY, "not yet with pp"),
+    (dict(cp=2, tp=2, sequence_parallel=True), TINY, "not yet with pp"),
+    (dict(cp=2, tp=2, cp_method="ulysses"), TINY.replace(n_kv_head=2), "cp \\* tp"),
+    (dict(cp_method="star"), TINY, "cp_method"),
     (dict(cp=5), TINY.replace(seq_len=9), "seq_len must be >= 10"),
-    (dict(cp=3, cp_method="ulysses"), TINY, "n_head \\(4\\) and n_kv_head \\(4\\) must divide")])
+    (dict(cp=3, cp_method="ulysses"), TINY, "n_head \\(4\\) and n_kv_head \\(4\\) must divide"),
+    (dict(cp=2), TINY.replace(dropout=0.1), "dropout 0")])
 def test_a_context_parallel_layout_that_cannot_work_is_refused_before_any_process(par, cfg,
                                                                                   message):
     with pytest.raises(ValueError, match=message):
