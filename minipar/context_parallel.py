@@ -1,6 +1,6 @@
 """Context parallelism: one sequence's tokens split over the ranks of a CP group, and causal
 attention computed across them. Everything but attention acts token by token, so only attention
-needs the other ranks' tokens; three ways to bring them, simplest first to read last:
+needs the other ranks' tokens; three ways to bring them, the simplest first:
 
     all-gather  every rank gathers the whole K and V once, attends its own queries to them, and
                 the backward reduce-scatters dK and dV (Llama 3's choice, Dubey et al. 2024 §3.3.2:
@@ -19,6 +19,10 @@ key and the first's almost none. `positions(T, cp, rank)` instead cuts it into 2
 rank r chunks r and 2cp-1-r (Llama 3's load balancing), so every rank attends about T^2 / (2 cp)
 query-key pairs. Any T >= 2 cp works; chunks differ by at most one token (`torch.tensor_split`).
 Masks follow the tokens' global positions, so any assignment of positions is correct.
+
+In training (`apply_cp`, from parallelize.py with ParallelConfig(cp=, cp_method=)): a CP rank holds
+the whole model, its tokens of every sequence, their positions' embeddings, and a loss weighted by
+cp T_r / T; the CP ranks are weight replicas, so DP and ZeRO reduce over dp x cp of them.
 
 Per rank, for B sequences, hq query heads, hk KV heads of size d, its T_r tokens (T = sum T_r), and
 e bytes an element (formulas checked by tests/test_context_parallel.py):
