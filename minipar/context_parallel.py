@@ -39,6 +39,8 @@ e bytes an element (formulas checked by tests/test_context_parallel.py):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -62,6 +64,12 @@ def positions(seq_len: int, cp: int, rank: int, balanced: bool = True) -> torch.
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
 
 
+@functools.lru_cache(maxsize=64)
+def _every(seq_len: int, cp: int, balanced: bool) -> tuple:
+    """Every rank's positions (read only: each layer's attention asks again)."""
+    return tuple(positions(seq_len, cp, r, balanced) for r in range(cp))
+
+
 def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = True):
     """The part of x (every token along `dim`) that rank holds."""
     return x.index_select(dim, positions(x.shape[dim], cp, rank, balanced))
@@ -80,7 +88,7 @@ def attention(q, k, v, seq_len: int, group=None, method: str = "ring", balanced:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     rank, cp, _ = comm._group_info(group)
-    pos = [positions(seq_len, cp, r, balanced) for r in range(cp)]
+    pos = _every(seq_len, cp, balanced)
     if q.shape[2] != len(pos[rank]) or k.shape[2] != len(pos[rank]):
         raise ValueError(f"rank {rank} holds {len(pos[rank])} of the {seq_len} tokens, got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -98,7 +106,7 @@ def sent(method: str, seq_len: int, cp: int, rank: int, batch: int, hq: int, hk:
          elem: int, balanced: bool = True, backward: bool = True) -> dict:
     """{kind: bytes} rank sends for one forward and (backward=True) backward of `attention`
     (module docstring)."""
-    t = [len(positions(seq_len, cp, r, balanced)) for r in range(cp)]
+    t = [len(p) for p in _every(seq_len, cp, balanced)]
     kv = 2 * batch * hk * d * elem   # K and V of one token
     if cp == 1:
         return {}

@@ -49,12 +49,7 @@ class ExpertParallel(nn.Module):
         shape, moe = x.shape, self.moe
         x = x.reshape(-1, shape[-1])
         routing: Routing = moe.route(x)
-        keep = routing.kept.flatten()
-        experts = routing.experts.flatten()[keep]
-        tokens = torch.arange(len(x), device=x.device).repeat_interleave(moe.top_k)[keep]
-        order = torch.argsort(experts, stable=True)          # by expert, so by owner rank
-        experts, tokens = experts[order], tokens[order]
-        gates = routing.gates.flatten()[keep][order]
+        tokens, gates = moe.slots(routing)                   # by expert, so by owner rank
         # counts first: [source rank][local expert] rows arrive here
         mine = routing.counts.to(torch.int64)
         arrive = torch.empty_like(mine)

@@ -96,16 +96,21 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         routing = self.route(x)
-        keep = routing.kept.flatten()                        # the slots that fit, token-major
-        experts = routing.experts.flatten()[keep]
-        tokens = torch.arange(len(x), device=x.device).repeat_interleave(self.top_k)[keep]
-        gates = routing.gates.flatten()[keep]
-        order = torch.argsort(experts, stable=True)         # grouped by expert, token order within
-        tokens, gates = tokens[order], gates[order]
+        tokens, gates = self.slots(routing)
         parts = tokens.split(routing.counts.tolist())
         outs = [self.expert(e, x[part]) for e, part in enumerate(parts)]
         y = torch.zeros_like(x).index_add(0, tokens, torch.cat(outs) * gates.to(x.dtype)[:, None])
         return y.view(shape), routing
+
+    def slots(self, routing: Routing):
+        """(token, gate) of every slot that fit, grouped by expert (token order within): the
+        order the experts take them in."""
+        keep = routing.kept.flatten()                        # token-major
+        experts = routing.experts.flatten()[keep]
+        tokens = torch.arange(len(routing.experts), device=experts.device)
+        tokens = tokens.repeat_interleave(self.top_k)[keep]
+        order = torch.argsort(experts, stable=True)
+        return tokens[order], routing.gates.flatten()[keep][order]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's MLP on its tokens x (m, h): proj(GELU(fc x))."""

@@ -18,6 +18,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def flat(state: dict) -> torch.Tensor:
+    """Every tensor of a state dict, in name order, as one float64 vector."""
+    return torch.cat([state[k].double().flatten() for k in sorted(state)])
+
+
 def assert_same_training(res, ref, rtol: float = 1e-5, lr: float = 1e-3):
     """Same losses (each step) and the same final weights as the reference run (see above)."""
     losses = torch.tensor(res.losses, dtype=torch.float64)
@@ -25,7 +30,6 @@ def assert_same_training(res, ref, rtol: float = 1e-5, lr: float = 1e-3):
     assert losses.shape == expected.shape
     assert ((losses - expected).abs() / expected.abs()).max() <= rtol, (res.losses, ref.losses)
     assert res.state_dict.keys() == ref.state_dict.keys()
-    flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
     assert rel_diff(flat(res.state_dict), flat(ref.state_dict)) <= rtol
     worst = max(ref.state_dict, key=lambda k: rel_diff(res.state_dict[k], ref.state_dict[k]))
     a, b = res.state_dict[worst].double(), ref.state_dict[worst].double()

@@ -9,9 +9,8 @@ single-process run for every method, with dp, ZeRO 1-2, micro-batches and recomp
 work yet is refused before any process starts.
 """
 import pytest
-import torch
 import workers_cp
-from reference import assert_same_training, rel_diff
+from reference import assert_same_training, flat, rel_diff
 
 import minipar
 from minipar import context_parallel as cpm
@@ -83,10 +82,6 @@ LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=3, cp_method="all-gather"),
            ParallelConfig(cp=2, cp_method="all-gather", zero=2, recompute="full"),
            ParallelConfig(cp=2, tp=2), ParallelConfig(cp=2, tp=2, cp_method="ulysses"),
            ParallelConfig(cp=3, tp=2, cp_method="all-gather", dp_mode="naive")]
-
-
-def flat(state):
-    return torch.cat([state[k].double().flatten() for k in sorted(state)])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 import minipar
 from minipar.scheduler import runner
 from minipar.scheduler.jobs import Job
-from tests.reference import rel_diff
+from tests.reference import flat, rel_diff
 
 ROUND_S = 2.0
 CORES = {"core": (2, 1.0)}                       # one kind: a job on 1 or 2 cores
@@ -48,7 +48,6 @@ def check_trace(jobs, machine, policy, costs, folder):
         assert len(losses) == job.steps   # every step once, across its segments
         assert max(abs(a - b) / b for a, b in zip(losses, ref.losses)) <= 1e-5, job.name
         saved = torch.load(measured.checkpoints[job.name], weights_only=True)["model"]
-        flat = lambda state: torch.cat([state[k].double().flatten() for k in sorted(state)])  # noqa: E731
         assert rel_diff(flat(saved), flat(ref.state_dict)) <= 1e-5, job.name
     replay = runner.simulated(jobs, machine, policy, ROUND_S, runner.replayed(matrix[0], measured),
                               costs, starts=measured.starts, decide=matrix[0])

@@ -2,13 +2,10 @@
 sequence locally (same seed), then its context-parallel share, and returns how far apart."""
 import torch
 import torch.nn.functional as F
+from reference import rel_diff
 
 from minipar import comm
 from minipar import context_parallel as cpm
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def attention_errors(method, seq_len, hq, hk, balanced=True, batch=2, d=8):
@@ -26,9 +23,9 @@ def attention_errors(method, seq_len, hq, hk, balanced=True, batch=2, d=8):
     got = cpm.attention(*mine, seq_len, None, method, balanced, stats)
     (got * cpm.shard(up, cp, rank, 2, balanced)).sum().backward()
     part = lambda t: cpm.shard(t, cp, rank, 2, balanced)   # noqa: E731
-    errors = {"output": _rel(got, part(out))}
+    errors = {"output": rel_diff(got, part(out))}
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
-        errors[name] = _rel(a.grad, part(b.grad))
+        errors[name] = rel_diff(a.grad, part(b.grad))
     return errors, dict(stats.bytes_sent), dict(stats.calls)
 
 

@@ -4,14 +4,11 @@ import copy
 
 import torch
 import torch.distributed as dist
+from reference import rel_diff
 
 from minipar import comm
 from minipar.expert_parallel import ExpertParallel
 from minipar.moe import MoE
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def errors(n_expert, top_k, capacity=None, starve=None, h=8, f=16):
@@ -33,14 +30,14 @@ def errors(n_expert, top_k, capacity=None, starve=None, h=8, f=16):
     layer = ExpertParallel(copy.deepcopy(full), None, stats)
     y, routing = layer(ep_x)
     (y * up).sum().backward()
-    out = {"output": _rel(y, y_ref), "dx": _rel(ep_x.grad, ref_x.grad),
-           "router": _rel(layer.moe.router.weight.grad, ref.router.weight.grad)}
+    out = {"output": rel_diff(y, y_ref), "dx": rel_diff(ep_x.grad, ref_x.grad),
+           "router": rel_diff(layer.moe.router.weight.grad, ref.router.weight.grad)}
     mine = slice(rank * layer.local, (rank + 1) * layer.local)
     for name in ("fc", "fc_bias", "proj", "proj_bias"):
         total = getattr(ref, name).grad.clone()
         dist.all_reduce(total)   # every rank's tokens' share of each expert's gradient
-        out[name] = _rel(getattr(layer.moe, name).grad, total[mine]) if total[mine].norm() else \
-            getattr(layer.moe, name).grad.abs().max().item()
+        got = getattr(layer.moe, name).grad
+        out[name] = rel_diff(got, total[mine]) if total[mine].norm() else got.abs().max().item()
     to = torch.bincount(routing.experts[routing.kept] // layer.local, minlength=ep).tolist()
     starved = None if starve is None or starve // layer.local != rank else \
         max(getattr(layer.moe, n).grad[starve % layer.local].abs().max().item()

@@ -322,8 +322,10 @@ def _ended(s, r: _Running, folder: str, out: Measured, now: float) -> None:
 def _first_steps(running: dict, folder: str, now: float) -> None:
     """A start's cost, once it made its first step: the time since it started less its steps."""
     for name, r in running.items():
+        if r.started is not None:
+            continue
         new = [line for line in _metrics(folder, name) if line["step"] > r.first]
-        if r.started is None and new:
+        if new:
             r.started = now - r.start - sum(line["step_time"] for line in new)
 
 
