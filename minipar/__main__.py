@@ -37,7 +37,8 @@ from minipar.train import NonFiniteLoss, train
 BPE_VOCAB = 512  # --tokenizer bpe without --vocab-size: small enough for the CPU presets
 
 
-SIZES = ("n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "vocab_size", "seq_len")
+SIZES = ("n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "vocab_size", "seq_len",
+         "n_expert", "top_k")
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -55,17 +56,32 @@ def model_arguments(p, default: str) -> None:
     for name in SIZES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"override the preset's {name}")
-    p.add_argument("--mlp", choices=("gelu", "swiglu"), help="override the preset's MLP")
+    p.add_argument("--mlp", choices=("gelu", "swiglu"), help="override the preset's MLP "
+                                                             "(with --n-expert: each expert's)")
+    p.add_argument("--capacity-factor", type=float, help="with --n-expert: the token-slots an "
+                                                         "expert takes, over its even share "
+                                                         "(default: dropless)")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
                    help="override whether the head's weight is the token embedding's")
 
 
 def model_of(args) -> tuple[GPTConfig, str]:
     """The model and how to name it: the preset, with the sizes that were overridden."""
-    overrides = {k: getattr(args, k) for k in (*SIZES, "mlp", "tie_embeddings")
+    overrides = {k: getattr(args, k) for k in (*SIZES, "mlp", "tie_embeddings", "capacity_factor")
                  if getattr(args, k) is not None}
     name = args.model + "".join(f" {k}={v}" for k, v in overrides.items())
     return GPTConfig.preset(args.model, **overrides), name
+
+
+def sequence_and_experts(par) -> None:
+    """--cp, --cp-method and --ep (the layout's context and expert parallelism)."""
+    par.add_argument("--cp", type=int, default=1,
+                     help="context-parallel ranks: each sequence's tokens split over them")
+    par.add_argument("--cp-method", default="ring", choices=CP_METHODS,
+                     help="how attention reaches the other ranks' tokens (with --cp > 1)")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel ranks (with --n-expert): each MoE layer's experts cut "
+                          "over that many of the data-parallel ranks")
 
 
 def train_parser(sub) -> argparse.ArgumentParser:
@@ -79,10 +95,7 @@ def train_parser(sub) -> argparse.ArgumentParser:
     par.add_argument("--pp", type=int, default=1, help="pipeline stages")
     par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage over the data-parallel ranks")
-    par.add_argument("--cp", type=int, default=1,
-                     help="context-parallel ranks: each sequence's tokens split over them")
-    par.add_argument("--cp-method", default="ring", choices=CP_METHODS,
-                     help="how attention reaches the other ranks' tokens (with --cp > 1)")
+    sequence_and_experts(par)
     par.add_argument("--microbatches", type=int, default=1,
                      help="per data-parallel rank: pipeline micro-batches, or accumulation steps")
     par.add_argument("--virtual-stages", type=int, default=1,
@@ -167,7 +180,7 @@ def layout_of(args) -> ParallelConfig:
                           virtual_stages=args.virtual_stages,
                           sequence_parallel=args.sequence_parallel, precision=args.precision,
                           recompute=args.recompute, reduce_fp32=not args.reduce_16bit,
-                          cp=args.cp, cp_method=args.cp_method)
+                          cp=args.cp, cp_method=args.cp_method, ep=args.ep)
 
 
 def run_train(args) -> None:
@@ -204,11 +217,9 @@ def run_train(args) -> None:
     print(res.summary())
     if res.preempted:
         print(f"checkpoint of {res.preempted} steps saved to {args.save}: --resume it to continue")
-    predicted = res.predicted_memory or [{}] * len(res.peak_memory)
     print("memory per rank after the first step (states; activations at their most), MiB, "
-          "measured" + (" (predicted by memory.predict):" if res.predicted_memory else
-                        " (memory.predict does not model context parallelism yet):"))
-    for rank, (mem, pred) in enumerate(zip(res.peak_memory, predicted)):
+          "measured (predicted by memory.predict):")
+    for rank, (mem, pred) in enumerate(zip(res.peak_memory, res.predicted_memory)):
         print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})"
                                                                        if k in pred else "")
                                             for k, v in mem.items()))

@@ -75,6 +75,7 @@ def gather(model, optimizer, mp, tp, pp_group, steps_done: int, cfg) -> dict | N
             weights[name] = tensor
         else:
             moments[name][key] = tensor
+    weights.update(_buffers(model))
     shares = gather_stages((weights, moments), pp_group)  # each stage holds some layers
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
@@ -101,8 +102,7 @@ def final_weights(run, mesh) -> dict:
     with ZeRO-3 every rank gathers; every stage sends its share)."""
     if isinstance(run.optimizer, Zero3):
         run.optimizer.gather_all()  # every rank takes part; rank 0 keeps the weights
-    state = full_state_dict(run.model, run.tp) if run.tp else \
-        {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
+    state = {**full_state_dict(run.model, run.tp), **_buffers(run.model)}
     return {k: v for share in gather_stages(state, mesh.pp_group) for k, v in share.items()}
 
 
@@ -149,9 +149,12 @@ def load(path: str, cfg=None) -> dict:
         raise ValueError(f"{path!r} is not a readable minipar checkpoint: {e}") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(f"{path!r} is not a minipar checkpoint (format {FORMAT})")
-    if cfg is not None and checkpoint["config"] != dataclasses.asdict(cfg):
-        differ = {k: (v, checkpoint["config"].get(k)) for k, v in dataclasses.asdict(cfg).items()
-                  if checkpoint["config"].get(k) != v}
+    # (fields added since a checkpoint was written have their defaults there)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)} if cfg is not None else {}
+    saved = {**defaults, **checkpoint["config"]}
+    if cfg is not None and saved != dataclasses.asdict(cfg):
+        differ = {k: (v, saved.get(k)) for k, v in dataclasses.asdict(cfg).items()
+                  if saved.get(k) != v}
         raise ValueError(f"{path!r} holds another model: (this run, checkpoint) differ in {differ}")
     return checkpoint
 
@@ -239,17 +242,26 @@ def _zero_load(zero, moments: dict) -> None:
                                               v in flat.items()}}
 
 
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The saved state that is not a parameter (a MoE layer's selection bias), on the CPU."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in params}
+
+
 def block_of(full: torch.Tensor, param: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """The part of a full tensor (a weight, an Adam moment) that `param`
-    holds: its block, or all of it."""
+    """The part of a full tensor (a weight, an Adam moment) that `param` holds: its TP block, its
+    experts (cut by expert parallelism: `.ep`), or all of it."""
+    if hasattr(param, "ep"):
+        return full.tensor_split(dist.get_world_size(param.ep))[dist.get_rank(param.ep)]
     return full.tensor_split(tp.size, param.tp_dim)[tp.rank] if tp and hasattr(param,
                                                                                "tp_dim") else full
 
 
 def gather_blocks(tensors: list, params: list, tp: TPGroup | None) -> list:
-    """The full tensors from every rank's blocks of them, each cut as its parameter is, on the CPU:
-    one all-gather of all the cut ones per dtype (a collective), not one per tensor, since every
-    collective costs a meeting of the group's ranks. Every rank's block of a tensor has the same
+    """The full tensors from every rank's blocks of them, each cut as its parameter is (TP blocks,
+    experts), on the CPU: one all-gather of all the TP-cut ones per dtype (a collective), not one
+    per tensor, since every collective costs a meeting of the group's ranks; then each expert
+    weight's over its EP group. Every rank's block of a tensor has the same
     shape (ParallelConfig.check allows only even TP cuts)."""
     out = [t.detach().cpu().clone() if tp is None or not hasattr(p, "tp_dim") else None
            for t, p in zip(tensors, params)]
@@ -264,10 +276,15 @@ def gather_blocks(tensors: list, params: list, tp: TPGroup | None) -> list:
             n, shape = tensors[i].numel(), tensors[i].shape
             out[i] = torch.cat([x[at:at + n].view(shape) for x in parts], params[i].tp_dim).cpu()
             at += n
+    for i, p in enumerate(params):  # experts cut by expert parallelism, one tensor at a time
+        if hasattr(p, "ep"):
+            parts = [torch.empty_like(tensors[i]) for _ in range(dist.get_world_size(p.ep))]
+            dist.all_gather(parts, tensors[i].detach().contiguous(), group=p.ep)
+            out[i] = torch.cat(parts).cpu()
     return out
 
 
-def full_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, tp: TPGroup | None) -> dict[str, torch.Tensor]:
     """The single-device weights, blocks gathered from every rank of the group (a collective),
     under every name GPT.state_dict gives them (a tied weight under both)."""
     names, params = zip(*model.named_parameters(remove_duplicate=False))

@@ -13,6 +13,7 @@ and one all-reduce of that one number per group completes the sum:
     a TP-cut parameter (tp_dim)    its block of it                            1       tp group
     a TP-replicated parameter      the same on every TP rank                  1 on tp rank 0, else 0
     a ZeRO shard                   its piece of each flat buffer (padding 0)  1       dp group
+    an expert cut by EP (.ep)      its experts'                               1       EP group
     plain DP                       the same on every replica: nothing to add
 
 The gradients measured are the ones the optimizer steps: after DP's average (and SP's sum), the
@@ -64,12 +65,23 @@ class ClipGradNorm:
         inf or nan)."""
         total = torch.zeros(1, dtype=torch.float64, device=device)
         for grad, param in pieces:
-            if grad is not None and self.counts(param):
+            if grad is not None and self.counts(param) and not hasattr(param, "ep"):
                 total += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+        experts = [(g, p) for g, p in pieces if hasattr(p, "ep")]
+        if experts:  # each EP rank holds other experts: their squares add up over its EP group
+            part = sum(torch.linalg.vector_norm(g, dtype=torch.float64).square()
+                       for g, p in experts if g is not None and self.counts(p))
+            part = torch.as_tensor(part, dtype=torch.float64, device=device).reshape(1)
+            self._sum(part, experts[0][1].ep)
+            total += part
         for group in (*also, *self.groups):
-            if dist.is_initialized() and dist.get_world_size(group) > 1:
-                if self.stats is not None:
-                    self.stats.record("grad_norm", total.element_size(), 1)
-                dist.all_reduce(total, group=group)
+            self._sum(total, group)
         self.norm = total.sqrt().item() / scale
         return min(self.max_norm / (self.norm + 1e-6), 1.0)
+
+    def _sum(self, total: torch.Tensor, group) -> None:
+        """All-reduce one number over `group` (counted as "grad_norm"), if it has other ranks."""
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            if self.stats is not None:
+                self.stats.record("grad_norm", total.element_size(), 1)
+            dist.all_reduce(total, group=group)

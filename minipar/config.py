@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from minipar.context_parallel import positions
 from minipar.pipeline.schedules import validate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -81,15 +82,13 @@ class ParallelConfig:
                                      #   them (context_parallel.py); between tp and dp in the grid
     cp_method: str = "ring"          # how attention reaches the other ranks' tokens: "ring",
                                      #   "all-gather" or "ulysses" (CP_METHODS)
+    ep: int = 1                      # expert-parallel ranks: each MoE layer's experts cut over ep
+                                     #   consecutive DP ranks (expert_parallel.py); ep divides dp
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages", "cp"):
+        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages", "cp", "ep"):
             _positive_int(name, getattr(self, name))
         _one_of("cp_method", self.cp_method, CP_METHODS)
-        if self.cp > 1 and (self.pp > 1 or self.zero == 3 or self.sequence_parallel):
-            raise ValueError("ParallelConfig.cp > 1 combines with dp, tp, ZeRO 1-2, micro-batches, "
-                             "precision and recomputation; not yet with pp, zero=3 or "
-                             "sequence_parallel")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool) or \
                 self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -139,6 +138,23 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages} needs "
                              "schedule='interleaved-1f1b', "
                              f"got {self.schedule!r}")
+
+    def _check_experts(self, cfg) -> None:
+        """Expert parallelism's rules, and what a mixture of experts does not combine with yet."""
+        if self.ep > 1 and not cfg.n_expert:
+            raise ValueError(f"ParallelConfig.ep ({self.ep}) cuts the experts: it needs a mixture "
+                             "of experts (GPTConfig.n_expert > 0)")
+        if self.ep > 1 and (self.dp % self.ep or cfg.n_expert % self.ep):
+            raise ValueError(f"ParallelConfig.ep ({self.ep}) must divide dp ({self.dp}: EP runs "
+                             f"inside the DP group) and n_expert ({cfg.n_expert})")
+        if self.ep > 1 and self.zero:
+            raise ValueError("ParallelConfig.ep > 1 combines with dp, tp, pp, micro-batches, "
+                             "precision and recomputation; not yet with ZeRO (its flat shards "
+                             "would mix the experts that differ between EP ranks)")
+        if cfg.n_expert and (self.cp > 1 or self.sequence_parallel):
+            raise ValueError("a mixture of experts (GPTConfig.n_expert > 0) does not combine yet "
+                             "with cp > 1 or sequence_parallel: a rank would route part of each "
+                             "sequence, and the balance loss and capacity are the sequence's")
 
     def _check_splits(self) -> None:
         """The uneven splits: layers per chunk, rows per DP rank, TP degrees per stage."""
@@ -266,6 +282,7 @@ class ParallelConfig:
                 validate(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ValueError as e:
                 raise ValueError(f"ParallelConfig (pp = stages = {self.pp}): {e}") from None
+        self._check_experts(cfg)
         if self.cp > 1 and cfg.seq_len < 2 * self.cp:
             raise ValueError(f"ParallelConfig.cp ({self.cp}) cuts seq_len ({cfg.seq_len}) into "
                              f"2 cp chunks (the causal balance): seq_len must be >= {2 * self.cp}")
@@ -277,6 +294,9 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.cp_method='ulysses' splits the heads: n_head "
                              f"({cfg.n_head}) and n_kv_head ({cfg.kv_heads}) must divide by cp "
                              f"* tp ({self.cp} * {self.tp})")
-        if self.sequence_parallel and cfg.seq_len % self.tp:
-            raise ValueError(f"sequence_parallel needs seq_len ({cfg.seq_len}) to divide by tp "
+        held = [len(positions(cfg.seq_len, self.cp, r)) for r in range(self.cp)] \
+            if cfg.seq_len >= 2 * self.cp else [cfg.seq_len]
+        if self.sequence_parallel and any(n % self.tp for n in held):
+            raise ValueError(f"sequence_parallel needs the tokens each rank holds ({held}: "
+                             f"seq_len {cfg.seq_len} over cp {self.cp}) to divide by tp "
                              f"({self.tp})")

@@ -145,16 +145,19 @@ def apply_cp(model, loss_fn, group, method: str, stats: comm.CommStats | None = 
     """This rank's share of every sequence, in place: the model takes its tokens (and their
     positions' embeddings), attention reaches the group's other tokens by `method`, and the loss
     over its tokens is weighted by cp T_r / T, so that the average over the dp x cp ranks (the
-    gradient reduction's) is the mean over every token. Returns that loss function."""
+    gradient reduction's) is the mean over every token. Returns (that loss function, the forward
+    pre-hook that takes a module's token ids to this rank's: a pipeline's first chunk needs it
+    too, since the model's own forward is not run there)."""
     rank, cp, _ = comm._group_info(group)
     seq_len = model.cfg.seq_len
     pos = positions(seq_len, cp, rank).to(model.pos_emb.weight.device)
-    model.register_forward_pre_hook(lambda _, args: (args[0].index_select(1, pos),))
+    take = lambda _, args: (args[0].index_select(1, pos),)  # noqa: E731
+    model.register_forward_pre_hook(take)
     model.pos_emb.register_forward_pre_hook(lambda _, args: (pos[args[0]],))
     for block in model.blocks:
         block.attn.core = lambda q, k, v: attention(q, k, v, seq_len, group, method, True, stats)
     weight = cp * len(pos) / seq_len
-    return lambda logits, targets: loss_fn(logits, targets.index_select(1, pos)) * weight
+    return lambda logits, targets: loss_fn(logits, targets.index_select(1, pos)) * weight, take
 
 
 # ------------------------------------------------------------------ blocks and their merge
@@ -174,16 +177,22 @@ def _scores(q, k, pq, pk):
     return s.masked_fill(pk[None, :] > pq[:, None], float("-inf"))
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:   # what softmax sums in: fp32 at least
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _finite(lse: torch.Tensor) -> torch.Tensor:   # -inf (no key) as 0, so exp(s - it) stays 0
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
 def _block(q, k, v, pq, pk):
     """(out, lse) of q's rows over one block of keys: out = softmax(s) v over the keys the causal
-    mask leaves, lse = logsumexp(s); a row with none: out 0, lse -inf."""
+    mask leaves, lse = logsumexp(s) in fp32 (as flash attention keeps it); a row with none: out 0,
+    lse -inf."""
     s = _scores(q, k, pq, pk)
+    s = s.to(_wide(s.dtype))
     lse = torch.logsumexp(s, -1)
-    return torch.exp(s - _finite(lse)[..., None]) @ v, lse
+    return torch.exp(s - _finite(lse)[..., None]).to(v.dtype) @ v, lse
 
 
 def _merge(out, lse, o, l):
@@ -227,8 +236,10 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, pos, group, stats):
         rank, n, nxt, prv = _neighbours(group)
         rep = q.shape[1] // k.shape[1]
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        # the partial results merge in fp32 (a 16-bit model's too: flash attention's accumulator)
+        wide = _wide(q.dtype)   # (q's layout below: heads-last, as SDPA's output)
+        out = torch.zeros_like(q, dtype=wide)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
         kv = torch.stack([k, v])
         comm._record(stats, "cp_ring", calls=1)
         for step in range(n):
@@ -242,6 +253,7 @@ class _Ring(torch.autograd.Function):
                 out, lse = _merge(out, lse, o, l)
             comm.wait(*works)
             kv = incoming if step < n - 1 else kv
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pos, ctx.group, ctx.stats = pos, group, stats
         return out
@@ -249,6 +261,8 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        dtype = q.dtype   # (the backward runs in fp32 at least, its results cast back)
+        q, k, v, out, dout = (x.to(_wide(dtype)) for x in (q, k, v, out, dout))
         pos, group, stats = ctx.pos, ctx.group, ctx.stats
         rank, n, nxt, prv = _neighbours(group)
         rep = q.shape[1] // k.shape[1]
@@ -272,7 +286,7 @@ class _Ring(torch.autograd.Function):
                 comm.wait(*_start(send.contiguous(), nxt, incoming, prv, group, stats))
                 block = incoming
         dk, dv = (block[0], block[1]) if n > 1 else (block[2], block[3])
-        return dq, dk, dv, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------- the all-gather

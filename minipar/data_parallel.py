@@ -66,6 +66,7 @@ class _Bucket:
         self.arrived = 0  # gradients added in this backward
         self.stale = False  # holds the last step's gradients: zeroed by the next arrival
         self.work = self.output = None  # the collective in flight, and where it writes
+        self.group, self.size, self.divisor = None, 1, 1  # reduced over, its ranks, sum / divisor
 
     def slice(self, i: int) -> torch.Tensor:
         return self.buffer[self.offsets[i]: self.offsets[i] + self.params[i].numel()]
@@ -108,11 +109,14 @@ class GradBuckets:
     them into the shards, at most two alive at once (the one filling and the one in flight: a
     new one waits for the older); holders: whose .grad gets the reduced gradients (DP only;
     default the parameters themselves; the fp32 masters under mixed precision). stats: the
-    CommStats that counts what it sends."""
+    CommStats that counts what it sends. experts: (group, divisor) for the buckets of expert
+    weights cut by expert parallelism (`.ep`): summed over that group (the ranks that hold the
+    same experts) and divided by divisor (dp), not averaged over `group` (expert_parallel.py)."""
 
     def __init__(self, params: list, buckets: list[list], group=None, *, dtype=None,
                  overlap: bool = True, scatter: bool = False, keep: bool = True, holders=None,
-                 collectives: str = "minipar", stats: comm.CommStats | None = None):
+                 collectives: str = "minipar", stats: comm.CommStats | None = None,
+                 experts: tuple | None = None):
         if collectives not in ("minipar", "torch"):
             raise ValueError(f"collectives must be 'minipar' or 'torch', got {collectives!r}")
         self.group, self.collectives, self.stats = group, collectives, stats
@@ -125,6 +129,11 @@ class GradBuckets:
         self.buckets = [_Bucket(b, self.size if scatter else 1, dtype or b[0].dtype, device)
                         for b in buckets]
         for bucket in self.buckets:
+            if experts and hasattr(bucket.params[0], "ep"):
+                bucket.group, bucket.divisor = experts
+                bucket.size = dist.get_world_size(experts[0]) if dist.is_initialized() else 1
+            else:
+                bucket.group, bucket.size, bucket.divisor = group, self.size, self.size
             if keep:  # (ZeRO-1's reduced shard is the bucket's own slice, reduced in place)
                 bucket.allocate()
                 bucket.reduced = self._mine(bucket) if scatter else None
@@ -133,10 +142,10 @@ class GradBuckets:
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end), perf_counter s
         self.scratch = comm.Scratch()  # the ring's receive space, used on the communication thread
         self.ops = comm.implementation(collectives, stats, self.scratch)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
+            if collectives == "minipar" and max(b.size for b in self.buckets) > 1 else None
         if not scatter:  # DP keeps it, as DDP keeps its buckets; ZeRO makes it at each step's
             self._reserve()  # first launch and frees it in finish, as FSDP2 frees its buffers
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipar-comm") \
-            if collectives == "minipar" and self.size > 1 else None
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self._arrived(b, i))
@@ -185,9 +194,9 @@ class GradBuckets:
     def _reserve(self) -> None:
         """Make the ring's receive space for the largest bucket, here on the main thread, unless
         it is there: it never grows while the ring is using it."""
-        if self.collectives == "minipar" and self.size > 1 and not self.scratch.buffers:
-            largest = max(self.buckets, key=lambda b: b.numel)
-            self.scratch.reserve(largest.numel, self.size, torch.empty(0, dtype=largest.dtype))
+        if self.collectives == "minipar" and self._executor and not self.scratch.buffers:
+            largest = max(self.buckets, key=lambda b: comm.receive_numel(b.numel, b.size))
+            self.scratch.reserve(largest.numel, largest.size, torch.empty(0, dtype=largest.dtype))
             if self.tracker:  # a Tracker watches this step
                 self.tracker.declare("comm", *self.scratch.buffers.values())
 
@@ -206,27 +215,28 @@ class GradBuckets:
         what, tensor = f"bucket {b}", bucket.buffer
         # a reduce-scatter lands in place, in my shard of the bucket (NCCL's in-place layout)
         bucket.output = self._mine(bucket) if self.scatter else None
-        if self.size == 1:
+        if bucket.size == 1:
             bucket.work = None
         elif self.collectives == "torch":
             if self.scatter:
                 bucket.work = comm.torch_reduce_scatter(tensor, self.group, self.stats,
                                                         out=bucket.output, async_op=True)[1]
             else:
-                comm.nominal(self.stats, "all_reduce", self.size,
+                comm.nominal(self.stats, "all_reduce", bucket.size,
                              tensor.numel() * tensor.element_size())
-                bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
+                bucket.work = dist.all_reduce(tensor, group=bucket.group, async_op=True)
         else:
-            bucket.work = self._executor.submit(self._timed, what, tensor, bucket.output)
+            bucket.work = self._executor.submit(self._timed, what, tensor, bucket.output,
+                                                bucket.group)
         self._launched.append(bucket)
 
-    def _timed(self, what: str, tensor: torch.Tensor, out) -> None:
+    def _timed(self, what: str, tensor: torch.Tensor, out, group) -> None:
         """On the communication thread: the ring collective, its span recorded."""
         start = time.perf_counter()
         if self.scatter:
-            self.ops.reduce_scatter(tensor, self.group, out=out)
+            self.ops.reduce_scatter(tensor, group, out=out)
         else:
-            self.ops.all_reduce(tensor, self.group)
+            self.ops.all_reduce(tensor, group)
         self.spans.append((what, start, time.perf_counter()))
 
     def _mine(self, bucket: _Bucket) -> torch.Tensor:
@@ -268,7 +278,7 @@ class GradBuckets:
             if self.scatter:
                 bucket.reduced.div_(self.size)
             else:
-                bucket.buffer.div_(self.size)
+                bucket.buffer.div_(bucket.divisor)
                 for i, p in enumerate(bucket.params):
                     self.holder[id(p)].grad = bucket.slice(i).view_as(p)
             bucket.stale = True
@@ -312,10 +322,11 @@ class DataParallelNaive(GradBuckets):
     """
 
     def __init__(self, model: torch.nn.Module, group=None, collectives: str = "minipar",
-                 stats: comm.CommStats | None = None, dtype=None, holders=None):
+                 stats: comm.CommStats | None = None, dtype=None, holders=None,
+                 experts: tuple | None = None):
         params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__(params, buckets_of(params, None, 0), group, dtype=dtype, overlap=False,
-                         holders=holders, collectives=collectives, stats=stats)
+        super().__init__(params, _apart(params, None, 0), group, dtype=dtype, overlap=False,
+                         holders=holders, collectives=collectives, stats=stats, experts=experts)
 
 
 class DataParallelBucket(GradBuckets):
@@ -325,8 +336,17 @@ class DataParallelBucket(GradBuckets):
 
     def __init__(self, model: torch.nn.Module, group=None, bucket_bytes: int = 25 * 2**20,
                  collectives: str = "minipar", stats: comm.CommStats | None = None, dtype=None,
-                 holders=None):
+                 holders=None, experts: tuple | None = None):
         params = [p for p in model.parameters() if p.requires_grad]
         element = torch.empty(0, dtype=dtype or params[0].dtype).element_size()
-        super().__init__(params, buckets_of(params, bucket_bytes, element), group, dtype=dtype,
-                         holders=holders, collectives=collectives, stats=stats)
+        super().__init__(params, _apart(params, bucket_bytes, element), group, dtype=dtype,
+                         holders=holders, collectives=collectives, stats=stats, experts=experts)
+
+
+def _apart(params: list, bucket_bytes: int | None, element_bytes: int) -> list[list]:
+    """buckets_of, the experts cut by expert parallelism in buckets of their own, after the rest
+    (they reduce over another group; launched last, they overlap less)."""
+    dense = [p for p in params if not hasattr(p, "ep")]
+    experts = [p for p in params if hasattr(p, "ep")]
+    return buckets_of(dense, bucket_bytes, element_bytes) + \
+        (buckets_of(experts, bucket_bytes, element_bytes) if experts else [])

@@ -18,6 +18,13 @@ is its slots bound for other ranks and b the slots other ranks send it (dispatch
 back, each again reversed in the backward); plus the counts. Gradients: a local expert's are the
 sum over every rank's tokens routed to it, as on one device; the router's are this rank's tokens'
 (data parallelism across the EP group averages them, as it does every replicated weight).
+
+In training (`ParallelConfig(ep=...)`), the EP group is ep consecutive ranks of the DP axis (EP
+inside the DP group, as DeepSpeed-MoE and Megatron-LM place it), and the ranks that hold the same
+experts, one in each EP group, are that expert's DP group (`groups_of`). An expert's gradient here
+is the sum over its EP group's tokens; summed over its DP group too and divided by dp it is the
+global batch's mean, which is how the DP reduction treats the expert weights (parallelize.apply_dp).
+Each cut weight carries its EP group as `.ep`, for checkpoints and clipping.
 """
 from __future__ import annotations
 
@@ -26,29 +33,36 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minipar import comm
-from minipar.moe import MoE, Routing
+from minipar.moe import EXPERT_WEIGHTS, MoE, Routing
 
 
-class ExpertParallel(nn.Module):
-    """`moe`'s router and this rank's n / ep experts (copied from it: every rank builds the full
-    layer from one seed, then keeps its share); forward(x) -> (y, Routing), as MoE's."""
+class ExpertParallel(MoE):
+    """`moe` with only this rank's n / ep experts (cut from it: every rank builds the full layer
+    from one seed, then keeps its share), under the same names and routing rules; forward(x) ->
+    (y, Routing), as MoE's."""
 
     def __init__(self, moe: MoE, group=None, stats: comm.CommStats | None = None):
-        super().__init__()
+        nn.Module.__init__(self)   # moe's settings and router, not fresh ones
         rank, ep, _ = comm._group_info(group)
         if moe.n_expert % ep:
             raise ValueError(f"expert parallelism {ep} must divide the experts ({moe.n_expert})")
+        for name in MoE.SETTINGS:
+            setattr(self, name, getattr(moe, name))
         self.group, self.stats, self.ep, self.rank = group, stats, ep, rank
         self.local = moe.n_expert // ep
         mine = slice(rank * self.local, (rank + 1) * self.local)
-        self.moe = moe   # its router and routing rules; its experts cut to this rank's below
-        for name in ("fc", "fc_bias", "proj", "proj_bias"):
-            setattr(moe, name, nn.Parameter(getattr(moe, name).detach()[mine].clone()))
+        self.router = moe.router
+        for name in EXPERT_WEIGHTS[moe.mlp]:
+            cut = nn.Parameter(getattr(moe, name).detach()[mine].clone())
+            cut.ep = group
+            setattr(self, name, cut)
+        for name, buffer in moe.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name in moe.state_dict())
 
     def forward(self, x: torch.Tensor):
-        shape, moe = x.shape, self.moe
+        shape, moe = x.shape, self
         x = x.reshape(-1, shape[-1])
-        routing: Routing = moe.route(x)
+        routing: Routing = moe.route(x, shape[:-2].numel() if len(shape) > 2 else 1)
         tokens, gates = moe.slots(routing)                   # by expert, so by owner rank
         # counts first: [source rank][local expert] rows arrive here
         mine = routing.counts.to(torch.int64)
@@ -71,3 +85,26 @@ class ExpertParallel(nn.Module):
                                "ep_combine")
         y = torch.zeros_like(x).index_add(0, tokens, home * gates.to(x.dtype)[:, None])
         return y.view(shape), routing
+
+
+def groups_of(mesh, ep: int):
+    """(this rank's EP group, its experts' DP group): ep consecutive ranks of the mesh's DP axis,
+    and the dp / ep ranks at the same place of every EP group. Collective: every rank creates every
+    group, in the same order."""
+    mine, same = None, None
+    for pp_rank in range(mesh.pp):
+        for tp_rank in range(mesh.tp_at(pp_rank)):
+            at = [mesh.global_rank(d, tp_rank, pp_rank) for d in range(mesh.dp)]
+            for ranks in [at[i:i + ep] for i in range(0, mesh.dp, ep)] + \
+                    [at[i::ep] for i in range(ep)]:
+                group = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mine, same = (group, same) if mine is None else (mine, group)
+    return mine, same
+
+
+def apply_ep(model: nn.Module, group, stats: comm.CommStats | None = None) -> None:
+    """Every MoE layer of `model` (a GPT, its blocks' .mlp) cut over the EP group, in place."""
+    for block in model.blocks:
+        if isinstance(getattr(block, "mlp", None), MoE):
+            block.mlp = ExpertParallel(block.mlp, group, stats)

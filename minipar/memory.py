@@ -19,9 +19,14 @@ parameter's states take.
 """
 from __future__ import annotations
 
+import functools
+
+from minipar.activation_bytes import (  # noqa: F401  (memory.*: the predicted activations)
+    activations, cp_extra, korthikanti, loss_bytes, moe_activations)
 from minipar.activations import (  # noqa: F401  (memory.*: the measured side)
     ActivationMeter, measure, optimizer_tensors, tensor_bytes)
 from minipar.comm import receive_numel
+from minipar.context_parallel import positions as _positions
 from minipar.data_parallel import split
 from minipar.mesh import Mesh
 from minipar.pipeline.runtime import partition
@@ -82,7 +87,7 @@ def zero_table(psi: float, n_d: int, k: int = 12) -> dict[int, float]:
     return {stage: sum(model_states(psi, n_d, stage, per).values()) / 1e9 for stage in range(4)}
 
 
-def block_params(cfg, t: int = 1) -> list[tuple[int, bool]]:
+def block_params(cfg, t: int = 1, ep: int = 1, experts: bool = True) -> list[tuple[int, bool]]:
     """(elements, whole) of each parameter of one block on one of t tensor-parallel ranks, in the
     model's order; whole: one TP leaves whole on every rank (LayerNorms, row-parallel biases; with
     SP their gradients are partial), the others are cut by t. h = d_model, k = kv_dim, f = ffn_dim:
@@ -90,25 +95,40 @@ def block_params(cfg, t: int = 1) -> list[tuple[int, bool]]:
       ln1 (h, h) | q (h^2, h) | k (h k) | v (h k, k) | proj (h^2, h) | ln2 (h, h) |
       gelu: fc (h f, f) | proj (h f, h)       swiglu: gate (h f) | fc (h f) | proj (h f)
 
-    with every matrix and column-parallel bias /t. GPT-2 (k = h, f = 4h): (12 h^2 + 6 h)/t + 6 h."""
+    with every matrix and column-parallel bias /t. GPT-2 (k = h, f = 4h): (12 h^2 + 6 h)/t + 6 h.
+    A mixture of n experts in place of the MLP, whole on every TP rank (`expert_params`, each /ep
+    with expert parallelism; experts=False leaves them out), then its router (n h)."""
     h, k, f, cut, whole = cfg.d_model, cfg.kv_dim, cfg.ffn_dim, False, True
     attn = [(h, whole), (h, whole), (h * h, cut), (h, cut), (h * k, cut), (h * k, cut), (k, cut),
             (h * h, cut), (h, whole), (h, whole), (h, whole)]
+    if cfg.n_expert:
+        mine = [(n, whole) for n in expert_params(cfg, ep)] if experts else []
+        return [(n if whole else n // t, whole) for n, whole in attn] + mine + \
+            [(cfg.n_expert * h, whole)]
     mlp = [(h * f, cut)] * 3 if cfg.mlp == "swiglu" else [(h * f, cut), (f, cut), (h * f, cut),
                                                           (h, whole)]
     return [(n if whole else n // t, whole) for n, whole in attn + mlp]
 
 
-def chunk_params(cfg, t: int, layers: int, first: bool, last: bool) -> list[int]:
+def expert_params(cfg, ep: int = 1) -> list[int]:
+    """Elements of each stacked expert weight of a MoE layer on one of ep expert-parallel ranks, in
+    the model's order (moe.MoE's parameters): gelu fc (n h f) | proj (n f h) | fc_bias (n f) |
+    proj_bias (n h); swiglu gate | fc | proj (n h f each); n = n_expert / ep."""
+    n, h, f = cfg.n_expert // ep, cfg.d_model, cfg.ffn_dim
+    return [n * h * f] * 3 if cfg.mlp == "swiglu" else [n * h * f, n * f * h, n * f, n * h]
+
+
+def chunk_params(cfg, t: int, layers: int, first: bool, last: bool, ep: int = 1,
+                 experts: bool = True) -> list[int]:
     """Elements of each parameter one of t tensor-parallel ranks holds of a model chunk of `layers`
     blocks, in the model's order (named_parameters: a tied head weight is the embedding's, not
     counted again): tok_emb V h/t | pos_emb s h | `block_params` each block | ln_f (h, h) | head
     (V h/t, V/t; untied). Data parallelism's buckets are cut from them (data_parallel.split). The
     one parameter formula: every count is a sum of these (t = 1, the whole model:
-    cfg.num_params)."""
+    cfg.num_params). ep, experts: `block_params`'."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     head = [] if cfg.tie_embeddings else [V * h // t, V // t]
-    block = [n for n, _ in block_params(cfg, t)]
+    block = [n for n, _ in block_params(cfg, t, ep, experts)]
     return ([V * h // t, s * h] if first else []) + block * layers + ([h, h] + head if last else [])
 
 
@@ -179,75 +199,14 @@ def flat_shard(total: int, n: int, rank: int) -> tuple[int, int]:
     return shard, max(0, min(total, (rank + 1) * shard) - rank * shard)
 
 
-def korthikanti(cfg, micro_batch: int, element_bytes: int = 2, t: int = 1,
-                sp: bool = False) -> float:
-    """The paper's activations for the l layers, bytes (Table 2, no recomputation), 16-bit:
-
-        no parallelism  sbh (34 + 5as/h)
-        TP              sbh (10 + 24/t + 5as/(ht))
-        TP+SP           sbh (34/t + 5as/(ht))
-
-    Of the 34 sbh, 10 lie outside the tensor-parallel regions (replicated by TP, cut by SP): 8 of
-    16-bit values (LayerNorm inputs, the regions' inputs) and 2 dropout masks of 1 byte an element;
-    24 are inside (q, k, v, the attention output, the MLP's 4h activations). Of the 5as^2b, as^2b is
-    the attention's dropout mask and 4 are 16-bit (softmax and dropout outputs). `element_bytes`
-    rescales the values, not the masks."""
-    s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head
-    e = element_bytes / 2
-    outside = (8 * e + 2) / (t if sp else 1)
-    return cfg.n_layer * (s * b * h * (outside + 24 * e / t) + a * s * s * b * (4 * e + 1) / t)
-
-
 def tp_params(cfg, t: int = 1) -> int:
     """Parameters each of t tensor-parallel ranks holds, the sum of the whole model's `chunk_params`
     (GPT-2: (12 l h^2 + 6 l h + 2 V h + V) / t + 6 l h + s h + 2 h; t = 1: cfg.num_params)."""
     return sum(chunk_params(cfg, t, cfg.n_layer, True, True))
 
 
-def activations(cfg, micro_batch: int, element_bytes: int = 4, t: int = 1, sp: bool = False,
-                recompute: str = "none") -> dict[str, int]:
-    """Bytes minipar's GPT saves for backward on one micro-batch of b sequences, by part, over t
-    tensor-parallel ranks (sequence-parallel if sp), recomputing as `recompute` says (recompute.py):
-    "full" keeps only each layer's input, s b h e (/t with SP); "selective" drops the 4 asb/t below.
-
-    Per layer, e bytes an element (4 in fp32, 2 for a 16-bit model):
-        outside the TP regions (/t with SP):
-          4 sbh e    inputs of ln1 and ln2, their outputs (the regions' inputs)
-          4 sb e     mean and 1/std of the two LayerNorms
-        inside (/t):
-          (2 h + 2 k) sb e   q, k, v (k = kv_dim each), the attention output
-          2 f sb e   gelu: the GELU's input and output (f = ffn_dim)
-          4 f sb e   swiglu: the gate's output, its SiLU, the up projection, their product
-          4 asb      the attention's log-sum-exp, fp32
-        (GPT-2, k = h, f = 4 h: 12 sbh e inside)
-    That is Korthikanti's count less what minipar does not store: the two dropout masks (2 sbh:
-    dropout is off) and the attention matrix (5as^2b: F.scaled_dot_product_attention's fused kernel
-    keeps only the log-sum-exp and recomputes the probabilities in backward).
-    Outside the layers:
-        head     2 sbh e + 2 sb e  (ln_f's input, output and statistics; /t with SP)
-                 + 4 sbV + 4        (t = 1: F.cross_entropy's fp32 log-probabilities, its
-                                     weight sum)
-                 + 4 sbV/t + 9 sb   (t > 1: the vocab-parallel softmax slice, local targets,
-                                     their mask)
-        tokens   16 sb + 8 s        (t = 1: int64 input ids and targets, positions)
-                 9 sb + 8 s         (t > 1: the embedding's local ids and mask, positions)
-    """
-    s, b, h, a, V = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head, cfg.vocab_size
-    e, cut = element_bytes, t if sp else 1
-    loss, tokens = (4 * s * b * V + 4, 16 * s * b) if t == 1 else (4 * s * b * V // t + 9 * s * b,
-                                                                   9 * s * b)
-    width = 2 * h + 2 * cfg.kv_dim + (4 if cfg.mlp == "swiglu" else 2) * cfg.ffn_dim
-    outside, inside = 4 * s * b * h * e + 4 * s * b * e, width * s * b * e + 4 * a * s * b
-    layer = {"none": outside // cut + inside // t,
-             "selective": outside // cut + (inside - 4 * a * s * b) // t,
-             "full": s * b * h * e // cut}[recompute]
-    return {"layers": cfg.n_layer * layer,
-            "head": (2 * s * b * h * e + 2 * s * b * e) // cut + loss,
-            "tokens": tokens + 8 * s}
-
-
 def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *, rank: int = 0,
-            pp_rank: int = 0) -> dict[str, int]:
+            pp_rank: int = 0, cp_rank: int = 0) -> dict[str, int]:
     """Predicted memory of DP rank `rank` (default 0, the fullest) of pipeline stage `pp_rank`,
     {category: bytes}, as `train(...).peak_memory` tallies it: model states and buffers after the
     step, activations at their peak. Psi = the parameters a rank holds (`tp_params`, or
@@ -271,6 +230,10 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
                  and free the receive space once the step's reductions are done) | stage 3: the
                  gathered units at their most, p (full_i + full_{i+1}) at the largest adjacent
                  pair, or with interleaved chunks up to three (`zero3_gathered`)
+    Context parallelism (cp_rank: the rank's place in its CP group): its ranks are replicas of the
+    weights, so N = dp x cp and this rank is shard `rank` cp + cp_rank; activations for the tokens
+    it holds (`activations`' cp). Expert parallelism: Psi counts this rank's n / ep experts, and
+    the experts' buckets are reduced over dp / ep ranks (their receive space by that N).
     Psi_pad is Psi with each flat buffer padded to a multiple of N: stages 1, 2 one per bucket
     (data_parallel.split; dp_mode "naive": one), stage 3 one per unit. Not counted, as the tally
     does not count them: the optimizer's step counters (4 bytes for each parameter, or piece of one,
@@ -282,23 +245,32 @@ def predict(cfg, par, global_batch: int, bytes_per_param: dict | None = None, *,
     par = par.at_stage(pp_rank)  # stage_tp: this stage's own tp
     per = bytes_per_param or layout_bytes(par.precision, par.reduce_fp32)
     layers = chunk_layers(cfg, par)
-    units = rank_units(cfg, par.tp, layers, par.pp, pp_rank)
-    params = rank_units(cfg, par.tp, layers, par.pp, pp_rank, of=chunk_params)
+    params = rank_units(cfg, par.tp, layers, par.pp, pp_rank,
+                        of=functools.partial(chunk_params, ep=par.ep, experts=par.ep == 1))
+    experts = expert_params(cfg, par.ep) * sum(layers[pp_rank::par.pp]) if par.ep > 1 else []
+    units = rank_units(cfg, par.tp, layers, par.pp, pp_rank) if par.zero == 3 else \
+        params + experts
     b = par.dp_rows(global_batch)[rank] // par.microbatches  # this DP rank's micro-batch, dp_shares
-    activations = stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank)
+    cp = (par.cp_method, len(_positions(cfg.seq_len, par.cp, cp_rank))) if par.cp > 1 else None
+    activations = stage_activations(cfg, par, b, element_bytes(par.precision), pp_rank, cp)
     gathered = zero3_gathered(cfg, par, pp_rank) if par.zero == 3 else None
-    return by_category(rank_states(par, units, per, rank, params, gathered), activations)
+    replicas = par.replace(dp=par.dp * par.cp, cp=1, dp_shares=None) if par.cp > 1 else par
+    return by_category(rank_states(replicas, units, per, rank * par.cp + cp_rank, params,
+                                   gathered, experts), activations)
 
 
 def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
-                params: list[int] | None = None, gathered: int | None = None) -> dict[str, int]:
+                params: list[int] | None = None, gathered: int | None = None,
+                experts: list[int] = ()) -> dict[str, int]:
     """Model states and communication buffers after a step, bytes {params, grads, optimizer, comm},
     of DP rank `dp_rank` holding the units `sizes` (`rank_units`) at `per` bytes a parameter, as
     zero.py, zero3.py and data_parallel.py allocate them (`predict` gives the formulas). ZeRO-3 pads
     each unit on its own; stages 1-2 each gradient bucket (data_parallel.split of `params`, the
     parameters' sizes, model order; None: one flat buffer of their sum, the planner's
     approximation). ZeRO-3's gathered units: `gathered` elements (zero3_gathered), else a unit and
-    the next. predict and the planner's stages count with it."""
+    the next. experts: with expert parallelism, the sizes of the expert weights, bucketed apart
+    (data_parallel._apart) and reduced over dp / ep ranks; `params` are then the others. predict
+    and the planner's stages count with it."""
     n, stage, psi, g = par.dp, par.zero, sum(sizes), per["grads"]
     # a sharded optimizer: the fp32 master shard (mixed precision) has the padding too, the
     # moments only the real elements
@@ -313,14 +285,15 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
                 "optimizer": optimizer(shard, owned), "comm": per["params"] * gathered}
     params = params or [psi]
     naive = par.dp_mode == "naive"
-    groups = split(params, par.bucket_bytes, g)
-    buckets = [sum(params[i] for i in b) for b in groups]
+    buckets = _bucket_sizes(params, par, g)
     if stage == 0:  # the buckets are the gradients (naive: one per parameter), and the ring's
-        largest = max(params) if naive else max(buckets)  # receive space for the largest
-        ring = n > 1 and par.collectives == "minipar"
+        # receive space for the largest (the experts' over their own dp / ep ranks)
+        reduced = [(size, n) for size in buckets] + \
+            [(size, n // par.ep) for size in (_bucket_sizes(experts, par, g) if experts else [])]
+        space = max(receive_numel(size, m) if m > 1 else 0 for size, m in reduced)
         return {"params": per["params"] * psi, "grads": g * psi,
                 "optimizer": per["optimizer"] * psi,
-                "comm": g * receive_numel(largest, n) if ring else 0}
+                "comm": g * space if par.collectives == "minipar" else 0}
     shards = [flat_shard(size, n, dp_rank) for size in ([psi] if naive else buckets)]
     shard, owned = sum(s for s, _ in shards), sum(o for _, o in shards)
     # stage 1 keeps the full gradient buffers (each reduce-scatter lands in the bucket's own
@@ -328,6 +301,11 @@ def rank_states(par, sizes: list[int], per: dict, dp_rank: int = 0,
     # receive space is freed with the step's last reduction (step_memory counts it)
     return {"params": per["params"] * n * shard, "grads": g * (n * shard if stage == 1 else shard),
             "optimizer": optimizer(shard, owned), "comm": 0}
+
+
+def _bucket_sizes(params: list[int], par, g: int) -> list[int]:
+    """Elements of each gradient bucket of these parameters (naive: one each)."""
+    return [sum(params[i] for i in b) for b in split(params, par.bucket_bytes, g)]
 
 
 def by_category(states: dict, activations: int) -> dict[str, int]:
@@ -342,14 +320,17 @@ def stage_params(cfg, par, pp_rank: int = 0) -> int:
     return sum(rank_units(cfg, par.tp, chunk_layers(cfg, par), par.pp, pp_rank))
 
 
-def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: int = 0) -> int:
-    """Peak bytes saved for backward on a rank of stage `pp_rank` (`pipeline_activations`)."""
-    return pipeline_activations(cfg, par, micro_batch, element_bytes)[pp_rank]
+def stage_activations(cfg, par, micro_batch: int, element_bytes: int, pp_rank: int = 0,
+                      cp: tuple | None = None) -> int:
+    """Peak bytes saved for backward on a rank of stage `pp_rank` (`pipeline_activations`); cp:
+    `activations`'."""
+    return pipeline_activations(cfg, par, micro_batch, element_bytes, cp=cp)[pp_rank]
 
 
 def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
                          layers: list[int] | None = None, actions: tuple | None = None,
-                         extra_per_layer: int = 0, ranks=None) -> list[int]:
+                         extra_per_layer: int = 0, ranks=None, cp: tuple | None = None
+                         ) -> list[int]:
     """Peak bytes saved for backward on each pipeline rank. One process: `activations`. A pipeline:
     walk each rank's actions in the schedule's order; each F adds its chunk's activations of one
     micro-batch (its layers; the ids and positions on the first chunk, ln_f, the loss and the
@@ -357,12 +338,14 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
     splits backward: B keeps the graph for W). The peak is the schedule's memory, in bytes. layers:
     layers per chunk (default `chunk_layers`); actions: the schedule's (default par's,
     `pipeline.cached_schedule`); extra_per_layer: bytes a layer saves besides (the planner's
-    materialised attention matrix); ranks: those to size (default all), in their order."""
+    materialised attention matrix); ranks: those to size (default all), in their order; cp: a
+    context-parallel rank's (`activations`), whose tokens are s_r of each sequence's."""
     parts = activations(cfg.replace(n_layer=1), micro_batch, element_bytes, par.tp,
-                        par.sequence_parallel, par.recompute)
+                        par.sequence_parallel, par.recompute, cp)
     per_layer = parts["layers"] + extra_per_layer
     if par.pp == 1:
         return [per_layer * cfg.n_layer + parts["head"] + parts["tokens"]]
+    cfg = cfg.replace(seq_len=cp[1]) if cp else cfg   # (below: the tokens this rank holds)
     chunks, sb, t = par.pp * par.virtual_stages, cfg.seq_len * micro_batch, par.tp
     layers = layers or chunk_layers(cfg, par)
     actions = actions or cached_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
@@ -377,21 +360,10 @@ def pipeline_activations(cfg, par, micro_batch: int, element_bytes: int,
             for mine, states in (flight[r] for r in (range(par.pp) if ranks is None else ranks))]
 
 
-def loss_bytes(cfg, b: int, t: int, e: int) -> tuple[int, int]:
-    """(bytes the loss saves for b sequences, those that outlive its backward node): t = 1,
-    F.cross_entropy's fp32 log-probabilities, weight sum and int64 targets; t > 1, the vocab-
-    parallel fp32 softmax shard (returned in place as the logits' gradient, alive to the head's
-    node unless 16-bit logits, e = 2, cast it back first), the local targets and their mask."""
-    sb, V = cfg.seq_len * b, cfg.vocab_size
-    shard = 4 * sb * V // t
-    return (4 * sb * V + 4 + 8 * sb, 0) if t == 1 else (shard + 9 * sb, shard * (e == 4))
-
-
 def predict_ranks(cfg, par, global_batch: int) -> list[dict]:
-    """`predict` for every rank of the layout, in rank order (ZeRO's shard: its DP rank's); []
-    with context parallelism, which the memory model does not know yet."""
-    if par.cp > 1:
-        return []
-    grid = [Mesh(par.dp, par.tp, par.pp, rank=r, stage_tp=par.stage_tp).coords()
+    """`predict` for every rank of the layout, in rank order (ZeRO's shard: its DP rank's; the DP
+    axis holds dp x cp replicas, cp innermost)."""
+    grid = [Mesh(par.dp * par.cp, par.tp, par.pp, rank=r, stage_tp=par.stage_tp).coords()
             for r in range(par.world)]
-    return [predict(cfg, par, global_batch, rank=c.dp_rank, pp_rank=c.pp_rank) for c in grid]
+    return [predict(cfg, par, global_batch, rank=c.dp_rank // par.cp, pp_rank=c.pp_rank,
+                    cp_rank=c.dp_rank % par.cp) for c in grid]

@@ -53,8 +53,11 @@ def _grid_ranks(dp: int, tp: int, pp: int, pp_rank, dp_rank, stage_tp) -> tuple[
 
 
 def layout_ranks(par, pp_rank: int | None = None, dp_rank: int | None = None) -> list[int]:
-    """grid_ranks of a ParallelConfig's grid (its stage_tp too)."""
-    return grid_ranks(par.dp, par.tp, par.pp, pp_rank, dp_rank, par.stage_tp)
+    """grid_ranks of a ParallelConfig's grid (its stage_tp too; with context parallelism its DP
+    axis holds dp x cp ranks, and DP replica dp_rank's first CP rank stands for it)."""
+    cp = par.cp
+    return grid_ranks(par.dp * cp, par.tp, par.pp, pp_rank,
+                      None if dp_rank is None else dp_rank * cp, par.stage_tp)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ the attention biases stay GPT-2's, so only the shapes change):
     ffn_hidden      the MLP's width f (default 4 h)
     mlp="swiglu"    proj(silu(gate x) * fc x), three f x h matrices, no biases (Shazeer 2020)
     tie_embeddings  the head's weight is the token embedding's, and the head has no bias
+    n_expert > 0    a mixture of experts in place of every MLP (moe.py): n_expert MLPs of the
+                    `mlp` kind and width f, top_k of them a token, a router (h n), Switch's
+                    balance loss weighted moe_alpha, capacity_factor (None: dropless) and
+                    DeepSeek-V3's selection bias moving moe_bias_speed a step (0: off)
 
 Size, with h = d_model, l = n_layer, V = vocab_size, s = seq_len, k = n_kv_head h / n_head (the
 key and value width), f = ffn_hidden (biases and LayerNorms included):
@@ -23,9 +27,11 @@ key and value width), f = ffn_hidden (biases and LayerNorms included):
                 W = 2 h^2 + 2 h k + 2 h f (gelu) or 3 h f (swiglu)     the matrices of a layer
                 B = 6 h + k + (f + h, gelu)     its biases (q, v, proj; fc and proj) and LayerNorms
                 (GPT-2: W = 12 h^2, B = 12 h)
+                with n experts: the MLP's matrices and biases n times, plus the router's h n
     FLOPs per token, forward + backward, no recomputation (Korthikanti et al. 2022, eq. 7, per
     token, there 72 l h^2 (1 + s/(6h) + V/(12 l h)) for W = 12 h^2):
                 6 l W + 12 l s h + 6 V h                               (`GPTConfig.flops_per_token`)
+                with experts W counts the k MLPs a token goes through, and the router's h n
 This file knows nothing about ranks; parallelism is applied from outside.
 """
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from minipar.data import CharTokenizer
+from minipar.moe import MoE, with_balance_loss
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,12 @@ class GPTConfig:
     ffn_hidden: int | None = None  # the MLP's width f; None: 4 d_model
     mlp: str = "gelu"       # "gelu" (GPT-2) or "swiglu" (Llama)
     tie_embeddings: bool = False  # the head's weight is the token embedding's (no head bias)
+    n_expert: int = 0       # > 0: a mixture of experts in every block (moe.py); 0: the dense MLP
+    top_k: int = 2          # experts a token goes to (n_expert > 0)
+    capacity_factor: float | None = None  # token-slots an expert takes, over the even share
+                                          #   (None: dropless)
+    moe_alpha: float = 0.01  # the weight of Switch's balance loss
+    moe_bias_speed: float = 0.0  # DeepSeek-V3's bias-based balancing: its step (0: off)
 
     PRESETS = {  # name -> fields; the GPT-2 sizes pad the vocabulary to 50304 (a multiple of 128)
         "tiny":        dict(n_layer=4, n_head=4, d_model=64, vocab_size=96, seq_len=64),
@@ -73,6 +86,18 @@ class GPTConfig:
                             vocab_size=128256, seq_len=8192, mlp="swiglu"),
         "llama3-405b": dict(n_layer=126, n_head=128, n_kv_head=8, d_model=16384,
                             ffn_hidden=53248, vocab_size=128256, seq_len=8192, mlp="swiglu"),
+        # mixtures of experts: a CPU-sized one; Mixtral 8x7B (Jiang et al. 2024, Table 1: dim,
+        # layers, heads, KV heads, hidden_dim, vocab, 8 experts, top 2, 32K context); a
+        # DeepSeek-V3-like one (DeepSeek-AI 2024, §4.2: 61 layers, h 7168, 128 heads, 256 routed
+        # experts of width 2048, 8 a token, vocabulary 129280, 4K pre-training sequences) with
+        # plain multi-head attention for its MLA, no shared expert and no dense first layers
+        "moe-tiny":    dict(n_layer=4, n_head=4, d_model=64, vocab_size=96, seq_len=64,
+                            n_expert=4, top_k=2),
+        "mixtral-8x7b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
+                             vocab_size=32000, seq_len=32768, mlp="swiglu", n_expert=8, top_k=2),
+        "deepseek-v3-like": dict(n_layer=61, n_head=128, d_model=7168, ffn_hidden=2048,
+                                 vocab_size=129280, seq_len=4096, mlp="swiglu", n_expert=256,
+                                 top_k=8),
     }
 
     def __post_init__(self):
@@ -100,6 +125,22 @@ class GPTConfig:
                              f"{self.tie_embeddings!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.n_expert, int) or isinstance(self.n_expert, bool) or \
+                self.n_expert < 0:
+            raise ValueError(f"GPTConfig.n_expert must be 0 (dense) or a positive integer, got "
+                             f"{self.n_expert!r}")
+        if self.n_expert and not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_expert):
+            raise ValueError(f"GPTConfig.top_k must be an integer from 1 to n_expert "
+                             f"({self.n_expert}), got {self.top_k!r}")
+        for name in ("capacity_factor", "moe_alpha", "moe_bias_speed"):
+            value, least = getattr(self, name), 0.0 if name != "capacity_factor" else 1e-9
+            if not (value is None and name == "capacity_factor") and not (
+                    isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and least <= value < math.inf):
+                raise ValueError(f"GPTConfig.{name} must be a "
+                                 f"{'positive' if least else 'non-negative'} number"
+                                 f"{' or None' if name == 'capacity_factor' else ''}, got "
+                                 f"{value!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -125,17 +166,26 @@ class GPTConfig:
         return self.ffn_hidden or 4 * self.d_model
 
     @property
+    def mlp_matrices(self) -> int:
+        """The elements of one MLP's (one expert's) weight matrices."""
+        return (3 if self.mlp == "swiglu" else 2) * self.d_model * self.ffn_dim
+
+    @property
     def layer_matrices(self) -> int:
-        """W: the elements of a layer's weight matrices (the 2 W flops a token per forward)."""
-        h, k, f = self.d_model, self.kv_dim, self.ffn_dim
-        return 2 * h * h + 2 * h * k + (3 if self.mlp == "swiglu" else 2) * h * f
+        """W: the elements of the weight matrices a token goes through in a layer (the 2 W flops a
+        token per forward): with experts, its top_k experts' and the router's."""
+        h, k = self.d_model, self.kv_dim
+        mlps = self.mlp_matrices * (self.top_k if self.n_expert else 1)
+        return 2 * h * h + 2 * h * k + mlps + h * self.n_expert
 
     @property
     def num_params(self) -> int:
-        h, V, s = self.d_model, self.vocab_size, self.seq_len
-        biases = 6 * h + self.kv_dim + (self.ffn_dim + h if self.mlp == "gelu" else 0)
+        h, V, s, n = self.d_model, self.vocab_size, self.seq_len, max(self.n_expert, 1)
+        mlp_biases = self.ffn_dim + h if self.mlp == "gelu" else 0
+        layer = 2 * h * h + 2 * h * self.kv_dim + 6 * h + self.kv_dim + \
+            n * (self.mlp_matrices + mlp_biases) + h * self.n_expert
         head = 0 if self.tie_embeddings else V * h + V
-        return self.n_layer * (self.layer_matrices + biases) + V * h + s * h + 2 * h + head
+        return self.n_layer * layer + V * h + s * h + 2 * h + head
 
     @property
     def flops_per_token(self) -> float:
@@ -186,12 +236,18 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg) if not cfg.n_expert else \
+            MoE(cfg.d_model, cfg.ffn_dim, cfg.n_expert, cfg.top_k, cfg.capacity_factor,
+                cfg.moe_alpha, cfg.moe_bias_speed, cfg.mlp)
         self.drop = nn.Dropout(cfg.dropout)
+        self.moe = bool(cfg.n_expert)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        y = self.mlp(self.ln2(x))
+        if self.moe:  # (y, routing): the routing's balance loss rides on y into backward
+            y = with_balance_loss(self.mlp, *y)
+        return x + self.drop(y)
 
 
 class GPT(nn.Module):
@@ -209,7 +265,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2l)
-            if name.endswith("proj.weight"):
+            if name.endswith(("proj.weight", "mlp.proj")):  # (mlp.proj: the experts')
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod

@@ -4,9 +4,12 @@
 
   1. tensor parallelism  cuts every matrix of the full model. It goes first: it replaces
                          modules, and everything after holds references to the modules and
-                         parameters it leaves. Context parallelism then gives the model this
-                         rank's tokens and attention its ring (or all-gather, or all-to-all); its
-                         ranks hold the same weights, so DP and ZeRO below run over dp x cp ranks.
+                         parameters it leaves (a MoE layer stays whole on every TP rank). Context
+                         parallelism then gives the model this rank's tokens and attention its
+                         ring (or all-gather, or all-to-all); its ranks hold the same weights, so
+                         DP and ZeRO below run over dp x cp ranks. Expert parallelism cuts each MoE
+                         layer's experts over ep ranks of the DP group; DP then reduces the experts
+                         over the ranks that hold the same ones.
   2. pipeline            keeps this rank's chunks of the (already cut) layers and frees the rest,
                          so the steps below see only this rank's parameters.
   3. recomputation       wraps the blocks this rank holds (their forward, or their attention core).
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipar import checkpoint, context_parallel, memory
+from minipar import checkpoint, context_parallel, expert_parallel, memory, moe
 from minipar.clip import ClipGradNorm
 from minipar.comm import CommStats
 from minipar.config import ParallelConfig
@@ -61,6 +64,7 @@ class Parallel:
     stats: CommStats | None = None            # where clipping counts its all-reduces
     parts: tuple = ()                 # the groups whose ranks hold different parts of the model
                                       #   (tp, pp; a replica's with stage_tp): clipping sums there
+    replicas: object = None           # the DP group: MoE layers sum their loads over it
 
     def sync_and_step(self, max_norm: float = 0.0) -> float | None:
         """After backward: average the gradients over DP, sum SP's partial ones over TP, then step
@@ -77,14 +81,15 @@ class Parallel:
         sp = self.tp if self.tp and self.tp.sequence_parallel else None
         if isinstance(self.optimizer, (ZeroOptimizer, Zero3)):
             self.optimizer.step(clip=clip, sp=sp)  # ZeRO-1/2 wait for their buckets
-            return clip.norm if clip else None
-        if self.dp:
-            self.dp.finish()
-        if sp:  # after DP's, which writes the gradients back
-            grads = [self.dp.grad(p) if self.dp else p.grad for p in self.model.parameters()
-                     if sequence_partial(p)]
-            sync_sequence_parallel_grads(grads, sp)
-        self.mp.step(self.optimizer, clip=clip)
+        else:
+            if self.dp:
+                self.dp.finish()
+            if sp:  # after DP's, which writes the gradients back
+                grads = [self.dp.grad(p) if self.dp else p.grad for p in self.model.parameters()
+                         if sequence_partial(p)]
+                sync_sequence_parallel_grads(grads, sp)
+            self.mp.step(self.optimizer, clip=clip)
+        moe.balance_step(self.model, self.replicas)  # DeepSeek-V3's biases, where used
         return clip.norm if clip else None
 
     def memory_tensors(self) -> dict[str, list]:
@@ -198,19 +203,38 @@ def apply_zero(model: torch.nn.Module, par: ParallelConfig, mesh: Mesh, lr: floa
 
 
 def apply_dp(model: torch.nn.Module, mp: MixedPrecision, par: ParallelConfig, mesh: Mesh,
-             stats: CommStats | None) -> DataParallelNaive | None:
+             stats: CommStats | None, experts=None) -> DataParallelNaive | None:
     """What accumulates the gradients and averages them over the DP group (par.dp_mode:
     DataParallelNaive or DataParallelBucket): for par.dp > 1, and under mixed precision with
     par.reduce_fp32 on one rank too, where its fp32 buffers are the masters' .grad (fp32
-    accumulation). None: autograd's own .grad is all there is."""
+    accumulation). None: autograd's own .grad is all there is. experts: with ep > 1, the group of
+    the ranks that hold this rank's experts (their gradients are summed there, over dp)."""
     fp32_grads = mp.master is not None and par.reduce_fp32
     if par.dp * par.cp == 1 and not fp32_grads:
         return None
     sync = dict(collectives=par.collectives, stats=stats, dtype=grad_dtype(par),
-                holders=list(mp.master) if fp32_grads else None)
+                holders=list(mp.master) if fp32_grads else None,
+                experts=(experts, par.dp) if par.ep > 1 else None)
     if par.dp_mode == "naive":
         return DataParallelNaive(model, mesh.dp_group, **sync)
     return DataParallelBucket(model, mesh.dp_group, par.bucket_bytes, **sync)
+
+
+def apply_cp_and_ep(model: GPT, loss_fn, par: ParallelConfig, mesh: Mesh,
+                    stats: CommStats | None):
+    """Context parallelism (this rank's tokens, its attention's method, the loss weighted) and
+    expert parallelism (this rank's experts) on the TP-cut model, in place; returns (the loss
+    function, the DP group of this rank's experts or None, the CP pre-hook that takes the token
+    ids to this rank's or None)."""
+    take = None
+    if par.cp > 1:
+        cp_group, _ = context_parallel.group_of(mesh, par.cp)
+        loss_fn, take = context_parallel.apply_cp(model, loss_fn, cp_group, par.cp_method, stats)
+    experts = None
+    if par.ep > 1:
+        ep_group, experts = expert_parallel.groups_of(mesh, par.ep)
+        expert_parallel.apply_ep(model, ep_group, stats)
+    return loss_fn, experts, take
 
 
 def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: int, lr: float,
@@ -228,13 +252,13 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         tp = TPGroup.of(mesh.tp_group, par.sequence_parallel, par.collectives, stats)
         model = apply_tp(model, tp)
         loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
-    if par.cp > 1:                                                   # 1b. context parallelism
-        cp_group, _ = context_parallel.group_of(mesh, par.cp)
-        loss_fn = context_parallel.apply_cp(model, loss_fn, cp_group, par.cp_method, stats)
+    loss_fn, experts, take = apply_cp_and_ep(model, loss_fn, par, mesh, stats)   # 1b. CP, EP
     if par.pp > 1:                                                          # 2. pipeline stages
         chunks = chunks_for_rank(model, par.pp, mesh.pp_rank, par.virtual_stages,
                                  layers=par.stage_layers)
         free_unused(model, chunks.values())
+        if take and 0 in chunks:  # CP: the first chunk embeds this rank's tokens only
+            chunks[0].register_forward_pre_hook(take)
     apply_recompute(model, par.recompute)                                   # 3. recomputation
     dp = None                                                               # 4. precision, ZeRO, DP
     if par.zero:
@@ -250,14 +274,15 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
         # take the dtype of the gradients they will hold
         mp = apply_precision(model, par)
         optimizer = make_optimizer(mp.optimized, lr, weight_decay)
-        dp = apply_dp(model, mp, par, mesh, stats)  # last: hooks on the final parameters
+        dp = apply_dp(model, mp, par, mesh, stats, experts)  # last: hooks on the final params
     pipe = None
     # 5. the pipeline's executor
     if par.pp > 1:
         # this DP rank's micro-batch: with uneven dp_shares the
         # replicas' pipelines carry different b
-        rows = par.dp_rows(global_batch)[mesh.dp_rank] // par.microbatches
-        seq = cfg.seq_len // (par.tp if par.sequence_parallel else 1)
+        rows = par.dp_rows(global_batch)[mesh.dp_rank // par.cp] // par.microbatches
+        tokens = len(context_parallel.positions(cfg.seq_len, par.cp, mesh.dp_rank % par.cp))
+        seq = tokens // (par.tp if par.sequence_parallel else 1)
         plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
         # stages of different tp: messages by Mesh.pipeline_peers, sums over the replica
         links = dict(group=mesh.replica_group, peers=mesh.pipeline_peers(),
@@ -270,4 +295,4 @@ def parallelize(model: GPT, par: ParallelConfig, mesh: Mesh, *, global_batch: in
             mp.scaler.load_state_dict(resumed["scaler"])
     parts = (mesh.replica_group,) if par.stage_tp else \
         tuple(g for g, on in ((mesh.tp_group, tp), (mesh.pp_group, pipe)) if on)
-    return Parallel(model, optimizer, mp, loss_fn, tp, dp, pipe, stats, parts)
+    return Parallel(model, optimizer, mp, loss_fn, tp, dp, pipe, stats, parts, mesh.dp_group)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minipar import data as dataset
+from minipar import moe
 from minipar.parallelize import Parallel
 
 
@@ -38,13 +39,14 @@ def forward_backward(run: Parallel, par, mesh, x, y, rows, device, meter, after_
     """Forward and backward of this rank's micro-batches of (x, y); returns (the loss summed over
     them, the pipeline's (action, start, end) events of the step, or None). rows: `rows`;
     phase(name): a context that labels what runs inside (a Tracker's), pipelines aside."""
+    # a MoE layer's balance loss is scaled as the language-model loss it joins (moe.py)
+    loss_scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * rows[2]
+    moe.set_aux_scale(run.model, loss_scale / par.microbatches)
     if not run.pipe:
         return accumulate(run, x, y, par, rows, device, meter, after_compute, phase), None
-    weight = rows[2]
     batches = [microbatches(t, rows, par, device) for t in (x, y)]
     with meter, run.mp.autocast(), run.dp.no_sync() if run.dp else contextlib.nullcontext():
-        scale = (run.mp.scaler.scale if run.mp.scaler else 1.0) * weight
-        loss_sum, events = run.pipe.step(*batches, loss_scale=scale)
+        loss_sum, events = run.pipe.step(*batches, loss_scale=loss_scale)
     return sum_over(loss_sum, run.pipe.group), events  # the last stage has it, the others 0
 
 

@@ -366,7 +366,9 @@ def apply_tp(model: GPT, tp: TPGroup) -> GPT:
     if tp.sequence_parallel:
         model.pos_emb = SequenceShardedPositions(model.pos_emb, tp)
     for block in model.blocks:
-        block.attn, block.mlp = ParallelAttention(block.attn, tp), ParallelMLP(block.mlp, tp)
+        block.attn = ParallelAttention(block.attn, tp)
+        if not block.moe:  # a mixture of experts stays whole on every rank (its own cut is EP's)
+            block.mlp = ParallelMLP(block.mlp, tp)
         for norm in (block.ln1, block.ln2):
             norm.weight, norm.bias = _replicated(norm.weight, tp), _replicated(norm.bias, tp)
     model.ln_f.weight, model.ln_f.bias = _replicated(model.ln_f.weight,

@@ -4,9 +4,10 @@ Each method's output and its q, k, v gradients equal the single-device attention
 the rank's tokens (float64, so to rounding), at cp 2 and 3, lengths that do not divide evenly, with
 grouped-query attention, balanced and contiguous; the bytes each rank sends equal `sent`'s
 formulas; the balanced split evens out the causal work. Training: losses and weights equal the
-single-process run for every method, with dp, ZeRO 1-2, micro-batches and recomputation, cp 2 and
-3 (64 tokens in 6 uneven chunks), and the bytes of each step are the formulas again; what does not
-work yet is refused before any process starts.
+single-process run for every method, with dp, tp (and sequence parallelism), ZeRO 1-3,
+micro-batches, pipelines (interleaved too) and recomputation, cp 2 and 3 (64 tokens in 6 uneven
+chunks), and the bytes of each step are the formulas again; what cannot work is refused before any
+process starts.
 """
 import pytest
 import workers_cp
@@ -81,7 +82,13 @@ LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=3, cp_method="all-gather"),
            ParallelConfig(cp=3, recompute="selective"),
            ParallelConfig(cp=2, cp_method="all-gather", zero=2, recompute="full"),
            ParallelConfig(cp=2, tp=2), ParallelConfig(cp=2, tp=2, cp_method="ulysses"),
-           ParallelConfig(cp=3, tp=2, cp_method="all-gather", dp_mode="naive")]
+           ParallelConfig(cp=3, tp=2, cp_method="all-gather", dp_mode="naive"),
+           ParallelConfig(cp=2, zero=3), ParallelConfig(cp=3, zero=3, recompute="full"),
+           ParallelConfig(cp=2, pp=2, microbatches=2),
+           ParallelConfig(cp=3, pp=2, microbatches=4, schedule="interleaved-1f1b",
+                          virtual_stages=2, cp_method="all-gather"),
+           ParallelConfig(cp=2, tp=2, sequence_parallel=True),
+           ParallelConfig(cp=2, tp=2, sequence_parallel=True, cp_method="ulysses")]
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +114,12 @@ def test_training_with_context_parallelism_is_the_single_process_run(par, refere
             per_layer = formula[kind] + (recomputed - 1) * forward.get(kind, 0)
             if (par.zero or par.tp > 1) and kind in ("all_gather", "reduce_scatter"):
                 continue   # ZeRO's and TP's own gathers share the names (their tests count them)
-            assert sent[kind] == KW["steps"] * par.microbatches * TINY.n_layer * per_layer, kind
+            layers = TINY.n_layer // par.pp   # this rank's
+            assert sent[kind] == KW["steps"] * par.microbatches * layers * per_layer, kind
 
 
 @pytest.mark.parametrize("par,cfg,message", [
-    (dict(cp=2, pp=2), TINY, "not yet with pp"), (dict(cp=2, zero=3), TINY, "not yet with pp"),
-    (dict(cp=2, tp=2, sequence_parallel=True), TINY, "not yet with pp"),
+    (dict(cp=3, tp=2, sequence_parallel=True), TINY, "\\[21, 21, 22\\].* divide by tp"),
     (dict(cp=2, tp=2, cp_method="ulysses"), TINY.replace(n_kv_head=2), "cp \\* tp"),
     (dict(cp_method="star"), TINY, "cp_method"),
     (dict(cp=5), TINY.replace(seq_len=9), "seq_len must be >= 10"),
@@ -122,11 +129,6 @@ def test_a_context_parallel_layout_that_cannot_work_is_refused_before_any_proces
                                                                                   message):
     with pytest.raises(ValueError, match=message):
         minipar.train(cfg, ParallelConfig(**par), steps=1, global_batch=4)
-
-
-def test_the_planner_says_it_does_not_model_context_parallelism_yet():
-    with pytest.raises(ValueError, match="does not model context parallelism yet"):
-        minipar.estimate(TINY, ParallelConfig(cp=2), minipar.Cluster.preset("dgx-a100-80g"), 8)
 
 
 def test_a_checkpoint_resumes_from_one_context_parallel_layout_in_another(tmp_path, reference):

@@ -292,3 +292,34 @@ def test_the_step_peak_with_recomputation_is_predicted_to_the_byte():
              for mode in ({"dp_mode": "naive"}, {})[z == 3:] for m in (1, 2)
              for rc in ("selective", "full")]
     _assert_peaks(ODD, cases, 12)
+
+
+MOE = GPTConfig(n_layer=2, n_head=4, d_model=32, vocab_size=96, seq_len=24, n_expert=4, top_k=2)
+EVEN = MOE.replace(top_k=4)   # every token to every expert: each EP rank takes as many rows as it sends
+
+
+@pytest.mark.parametrize("cfg,par", [
+    (ODD, ParallelConfig(cp=2)), (ODD, ParallelConfig(cp=3, cp_method="all-gather")),
+    (ODD.replace(vocab_size=96), ParallelConfig(cp=2, tp=2, cp_method="ulysses")),
+    (ODD, ParallelConfig(cp=2, dp=2, zero=2, cp_method="all-gather", precision="bf16")),
+    (ODD, ParallelConfig(cp=3, recompute="selective")),
+    (ODD, ParallelConfig(cp=2, pp=2, microbatches=3, zero=3)),
+    (ODD.replace(vocab_size=96), ParallelConfig(cp=2, tp=2, sequence_parallel=True)),
+    (MOE, ParallelConfig(microbatches=2)), (MOE.replace(mlp="swiglu", capacity_factor=0.5),
+                                            ParallelConfig(precision="bf16")),
+    (MOE, ParallelConfig(dp=2, zero=3)), (EVEN, ParallelConfig(dp=4, ep=2, dp_mode="naive")),
+    (EVEN, ParallelConfig(dp=2, ep=2, pp=2, microbatches=2)),
+    (EVEN, ParallelConfig(dp=2, ep=2, tp=2, precision="bf16"))],
+    ids=lambda x: x.label if isinstance(x, ParallelConfig) else "")
+def test_context_and_expert_parallel_ranks_are_predicted_to_the_byte(cfg, par):
+    """Each CP rank's activations are the one-device model's at the tokens it holds, plus what its
+    attention gathers (all-gather) or sends home (Ulysses); its states those of a DP replica over
+    dp x cp. A MoE layer's activations follow its token-slots and rows (capacity 0.5: every expert
+    fills); an EP rank holds n / ep experts and its experts' buckets reduce over dp / ep ranks."""
+    res = minipar.train(cfg, par, steps=STEPS, global_batch=BATCH)
+    tensors = len(list(minipar.GPT(cfg).parameters()))
+    for rank, (measured, predicted) in enumerate(zip(res.peak_memory, res.predicted_memory)):
+        for cat in ("params", "grads", "comm", "activations"):
+            assert measured[cat] == predicted[cat], (rank, cat)
+        extra = measured["optimizer"] - predicted["optimizer"]
+        assert extra % 4 == 0 and 0 <= extra <= 4 * tensors, (rank, extra)

@@ -31,16 +31,16 @@ def errors(n_expert, top_k, capacity=None, starve=None, h=8, f=16):
     y, routing = layer(ep_x)
     (y * up).sum().backward()
     out = {"output": rel_diff(y, y_ref), "dx": rel_diff(ep_x.grad, ref_x.grad),
-           "router": rel_diff(layer.moe.router.weight.grad, ref.router.weight.grad)}
+           "router": rel_diff(layer.router.weight.grad, ref.router.weight.grad)}
     mine = slice(rank * layer.local, (rank + 1) * layer.local)
     for name in ("fc", "fc_bias", "proj", "proj_bias"):
         total = getattr(ref, name).grad.clone()
         dist.all_reduce(total)   # every rank's tokens' share of each expert's gradient
-        got = getattr(layer.moe, name).grad
+        got = getattr(layer, name).grad
         out[name] = rel_diff(got, total[mine]) if total[mine].norm() else got.abs().max().item()
     to = torch.bincount(routing.experts[routing.kept] // layer.local, minlength=ep).tolist()
     starved = None if starve is None or starve // layer.local != rank else \
-        max(getattr(layer.moe, n).grad[starve % layer.local].abs().max().item()
+        max(getattr(layer, n).grad[starve % layer.local].abs().max().item()
             for n in ("fc", "fc_bias", "proj", "proj_bias"))
     return out, dict(stats.bytes_sent), to, starved
 

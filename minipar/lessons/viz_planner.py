@@ -23,8 +23,8 @@ from minipar.planner.cluster import memory_unit
 
 COLOURS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 TERM_COLOURS = dict(zip(planner.TERMS,
-                        ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#C8C8C8", "#DA8BC3",
-                                        "#55A868", "#C44E52"]))
+                        ["#4C72B0", "#8172B3", "#937860", "#DD8452", "#CCB974", "#64B5CD",
+                         "#C8C8C8", "#DA8BC3", "#55A868", "#C44E52"]))
 
 
 def memory_stages(est, ax=None, title: str | None = None) -> Figure:

@@ -293,7 +293,7 @@ def step_time(cfg, est) -> tuple[float, dict, pipeline.Timeline]:
     loss = ring("all_reduce", 8, par.dp, cpu) + ring("all_reduce", 8, p, cpu)
     computing, waiting = spent[busiest]
     breakdown = {"compute": computing, "recompute": 0.0, "memory_bound": 0.0,
-                 "tp_comm": waiting + sp,
+                 "tp_comm": waiting + sp, "cp_comm": 0.0, "ep_comm": 0.0,
                  "bubble": 0.0, "pp_p2p": 0.0, "dp_comm": dp + loss, "optimizer": opt}
     idle = max(0.0, span - computing - waiting)
     breakdown["bubble" if p > 1 else "compute"] += idle  # pp = 1: the time-sharing

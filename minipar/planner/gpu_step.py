@@ -11,8 +11,8 @@ from minipar import memory, pipeline
 from minipar.mesh import layout_ranks
 from minipar.planner.gpu_time import chunk_cost, dp_time, messages, optimizer_time, work_on
 
-TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "bubble", "pp_p2p", "dp_comm",
-         "optimizer")
+TERMS = ("compute", "recompute", "memory_bound", "tp_comm", "cp_comm", "ep_comm", "bubble",
+         "pp_p2p", "dp_comm", "optimizer")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -46,7 +46,8 @@ def _replica_time(cfg, est, j: int) -> tuple:
     par, cluster, b, m = est.par, est.cluster, est.micro_batch, est.shares[j]
     p, chunks = par.pp, len(est.layers)
     costs, link = [], cluster.link([layout_ranks(par, r, j)[0] for r in range(p)])
-    stages = [work_on(cluster, layout_ranks(par, r, j), par.at_stage(r), b, est.attention)
+    stages = [work_on(cluster, layout_ranks(par, r, j), par.at_stage(r), b, est.attention,
+                      est.float8)
               for r in range(p)]
     # stage_tp: a sender sends a copy to each of up to ceil(t_receiver / t_sender) ranks, one
     # after the other (timed at the most of any boundary, both ways; the last stage and the first
@@ -82,14 +83,20 @@ def gpu_step(cfg, est) -> tuple[float, dict, tuple]:
     chunks, dp, opt = len(est.layers), 0.0, 0.0
     for r in range(p):
         t, mine = par.tp_at(r), range(r, chunks, p)
-        units = memory.rank_units(cfg, t, list(est.layers), p, r)
+        # ZeRO-3's units (with expert parallelism, where ZeRO is not, the parameters: its experts)
+        units = memory.rank_units(cfg, t, list(est.layers), p, r, of=functools.partial(
+            memory.chunk_params, ep=par.ep) if par.ep > 1 else None)
         backward = sum(v for c in mine for op in ("B", "W") for k, v in costs[c][op].items()
                        if k != "pp_p2p")  # what gradient buckets hide under
         forward = sum(costs[c]["F"].get("compute", 0.0) for c in mine)
         stage = layout_ranks(par, pp_rank=r)
         link = cluster.link(stage[::t])
+        # expert parallelism: the experts' own DP group, every ep-th of the stage's DP ranks
+        experts = (sum(memory.expert_params(cfg, par.ep)) * sum(est.layers[r::p]),
+                   cluster.link(stage[::t * par.ep])) if par.ep > 1 else (0, None)
         dp = max(dp, dp_time(par.at_stage(r), sum(units), per, link, backward, backward + forward,
-                             len(units), forward, est.overlap))
+                             len(units), forward, est.overlap, experts))
         hbm = min(g.memory_bandwidth for g in cluster.parts_of(stage))
-        opt = max(opt, optimizer_time(sum(units) / (par.dp if par.zero else 1), per, hbm))
+        opt = max(opt, optimizer_time(sum(units) / (par.dp * par.cp if par.zero else 1), per,
+                                      hbm))
     return span + dp + opt, {**terms, "dp_comm": dp, "optimizer": opt}, timeline

@@ -33,6 +33,8 @@ half the peak):
   PP                one message of X (X/t with SP: each rank sends its sequence shard) per boundary
                     per micro-batch each way: X/bw + latency, on the slowest link the pipeline
                     crosses; how it is sent and split is the implementation's (`messages`)
+  CP, EP            a context-parallel rank's s / cp tokens and its attention's exchanges, a
+                    mixture of experts' matmuls and its all-to-alls: gpu_cp_ep.py
   DP / ZeRO         stage 0: all-reduce of the gradients, bucketed: all but the last bucket overlaps
                     the last micro-batch's backward (data_parallel.py; with a pipeline minipar
                     reduces after the flush: OVERLAPS' grad_reduce_pp); stages 1, 2: reduce-scatter
@@ -56,28 +58,21 @@ when its stages are on different nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 from minipar import memory
 from minipar.planner.cluster import Cluster, Link
+from minipar.planner.gpu_cp_ep import cp_times, ep_time, expert_matmuls
+from minipar.planner.links import (  # noqa: F401  (gpu_time.*: the links' collectives)
+    SLOWDOWN, all_reduce, all_to_all, exposed, gather_or_scatter, p2p)
 
 
-def all_reduce(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of `nbytes`: 2(n-1)/n of it sent by each rank, 2(n-1) steps."""
-    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
-
-
-def gather_or_scatter(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather or reduce-scatter whose full tensor is `nbytes`: (n-1)/n of it, n-1 steps."""
-    return 0.0 if n == 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
-
-
-def p2p(nbytes: float, link: Link) -> float:
-    return nbytes / link.bandwidth + link.latency
-
-
+# H100 SXM's dense FP8 tensor-core peak is twice its BF16 one (NVIDIA H100 datasheet: 1,979 vs 989
+# TFLOP/s): float8 linear layers, where a published run used them (torchtitan's Float8Linear)
+FLOAT8_SPEED = 2.0
 TILE = 128  # the output tile one SM computes at a time, 128 x 128 (cuBLAS's and CUTLASS's usual)
 
 
@@ -98,16 +93,29 @@ class Work:
     tile: int = TILE          # the output tile one of them computes at a time
     overhead: float = 0.0     # seconds a matmul call costs besides (a CPU's dispatch; a GPU's
                               #   launches hide behind the queue of kernels ahead of them)
+    cp: int = 1               # context parallelism: this rank holds s / cp tokens of a sequence
+    cp_method: str = "ring"
+    cp_link: Link | None = None
+    ep: int = 1               # expert parallelism: n / ep experts here, tokens sent by all-to-all
+    ep_link: Link | None = None
+    linear_speed: float = 1.0  # the linear layers' matmuls run this much faster (float8: 2)
 
 
-def work_on(cluster: Cluster, ranks, par, b: int, attention: str) -> Work:
+def work_on(cluster: Cluster, ranks, par, b: int, attention: str, float8: bool = False) -> Work:
     """How the GPUs `ranks` of `cluster` (a chunk's TP group, or a stage) run a micro-batch of b
-    sequences of layout `par`: the slowest one's matmul rate, HBM and SMs, their link."""
-    parts = cluster.parts_of(ranks)
+    sequences of layout `par`: the slowest one's matmul rate, HBM and SMs, their link. float8: the
+    linear layers' matmuls in float8 (torchao's Float8Linear, as torchtitan runs them), at
+    FLOAT8_SPEED times the 16-bit rate; attention's stay 16-bit."""
+    parts, first = cluster.parts_of(ranks), min(ranks)
+    # the CP group: cp ranks tp apart (tp innermost, then cp: mesh.py); the EP group: ep DP ranks
+    apart = lambda n, step: cluster.link([first + i * step for i in range(n)])  # noqa: E731
     return Work(b, par.tp, par.sequence_parallel, par.recompute,
                 memory.element_bytes(par.precision), cluster.rate(ranks, par.precision),
                 min(g.memory_bandwidth for g in parts), cluster.link(ranks),
-                par.schedule == "zb-h1", attention == "materialized", min(g.sms for g in parts))
+                par.schedule == "zb-h1", attention == "materialized", min(g.sms for g in parts),
+                cp=par.cp, cp_method=par.cp_method, cp_link=apart(par.cp, par.tp),
+                ep=par.ep, ep_link=apart(par.ep, par.tp * par.cp),
+                linear_speed=FLOAT8_SPEED if float8 else 1.0)
 
 
 def waves(m: int, n: int, sms: int, batch: int = 1, tile: int = TILE) -> int:
@@ -137,10 +145,12 @@ def matmul(m: int, n: int, k: int, w: Work, batch: int = 1) -> float:
 def layer_matmuls(cfg, b: int, t: int) -> list[tuple[int, int, int]]:
     """(m, n, k) of each matmul of one layer's forward on one of t TP ranks, N = b s tokens (with
     SP too: a column-parallel matmul runs on the gathered sequence): q (N, h/t, h), k and v (N,
-    kv/t, h), proj (N, h, h/t); the MLP's fc (and SwiGLU's gate) (N, f/t, h), proj (N, h, f/t)."""
+    kv/t, h), proj (N, h, h/t); the MLP's fc (and SwiGLU's gate) (N, f/t, h), proj (N, h, f/t), or
+    a mixture of experts' router (N, n, h) (its experts: `expert_matmuls`)."""
     n, h, kv, f = b * cfg.seq_len, cfg.d_model, cfg.kv_dim, cfg.ffn_dim
     mlp = [(n, f // t, h)] * (2 if cfg.mlp == "swiglu" else 1) + [(n, h, f // t)]
-    return [(n, h // t, h), (n, kv // t, h), (n, kv // t, h), (n, h, h // t)] + mlp
+    attention = [(n, h // t, h), (n, kv // t, h), (n, kv // t, h), (n, h, h // t)]
+    return attention + ([(n, cfg.n_expert, h)] if cfg.n_expert else mlp)  # (a MoE's router)
 
 
 def passes(m: int, n: int, k: int) -> tuple[tuple, tuple, tuple]:
@@ -149,46 +159,65 @@ def passes(m: int, n: int, k: int) -> tuple[tuple, tuple, tuple]:
     return (m, n, k), (m, k, n), (n, k, m)
 
 
-def dense_times(shapes, w: Work) -> tuple[float, float, float]:
-    """(forward, input-gradient B, weight-gradient W) seconds of these matmuls (`passes`)."""
-    return tuple(sum(matmul(*passes(*shape)[i], w) for shape in shapes) for i in range(3))
+def dense_times(shapes, w: Work, count: int = 1) -> tuple[float, float, float]:
+    """(forward, input-gradient B, weight-gradient W) seconds of these matmuls of the linear
+    layers (`passes`; each `count` times), at their rate (Work.linear_speed)."""
+    if w.linear_speed != 1.0:
+        w = dataclasses.replace(w, rate=w.rate * w.linear_speed, linear_speed=1.0)
+    return tuple(sum(matmul(*passes(*shape)[i], w, count) for shape in shapes) for i in range(3))
 
 
 def attention_times(cfg, w: Work) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core on a/t heads: per head and sequence
     (s x hd) q k^T (s, s, hd) and p v (s, hd, s) forward, 4 b s^2 h / t FLOPs; backward dv, dp,
-    dq, dk, twice that (the model FLOPs: Korthikanti's count, no mask skipping)."""
+    dq, dk, twice that (the model FLOPs: Korthikanti's count, no mask skipping). With context
+    parallelism a rank attends s / cp queries to all s keys (ring, all-gather: 1/cp of the work,
+    what the causal balance gives it), or every query on its a / (t cp) heads (Ulysses)."""
     s, hd, heads = cfg.seq_len, cfg.d_model // cfg.n_head, w.b * cfg.n_head // w.t
-    scores, mix = matmul(s, s, hd, w, heads), matmul(s, hd, s, w, heads)
+    rows = s if w.cp_method == "ulysses" else s // w.cp   # CP: queries here, over every key
+    heads //= w.cp if w.cp_method == "ulysses" else 1     # (Ulysses: every query, heads / cp)
+    scores, mix = matmul(rows, s, hd, w, heads), matmul(rows, hd, s, w, heads)
     return scores + mix, scores + 3 * mix
 
 
 @functools.lru_cache(maxsize=4096)   # the planner costs the same layer on the same GPUs often
 def layer_cost(cfg, w: Work) -> dict[str, dict[str, float]]:
     """Seconds of one transformer layer, {"F"|"B"|"W": {component: s}} (module docstring); cached:
-    callers must not modify it."""
-    s, b, h, a, t = cfg.seq_len, w.b, cfg.d_model, cfg.n_head, w.t
-    fwd_dense, b_dense, w_dense = dense_times(layer_matmuls(cfg, b, t), w)
+    callers must not modify it. Context parallelism: everything but attention's keys on the s / cp
+    tokens held, and `cp_times`; experts: `expert_matmuls`, `ep_time`."""
+    mine = cfg.replace(seq_len=cfg.seq_len // w.cp) if w.cp > 1 else cfg
+    s, b, h, a, t = mine.seq_len, w.b, cfg.d_model, cfg.n_head, w.t
+    fwd_dense, b_dense, w_dense = dense_times(layer_matmuls(mine, b, t), w)
+    for shape, count in expert_matmuls(mine, b, w.ep):  # experts: whole on every TP rank
+        fwd_e, b_e, w_e = dense_times([shape], w, count)
+        fwd_dense, b_dense, w_dense = fwd_dense + fwd_e, b_dense + b_e, w_dense + w_e
     fwd_core, b_core = attention_times(cfg, w)
     act = (5 if cfg.mlp == "swiglu" else 2) * cfg.ffn_dim  # the MLP's elementwise bytes a token
-    traffic = w.e * s * b * (10 * h / (t if w.sp else 1) + act / t) + (13 * a * s * s * b / t
-                                                                       if w.materialized else 0)
+    act = act * cfg.top_k if cfg.n_expert else act / t     # (a token's k experts: TP keeps all)
+    traffic = w.e * s * b * (10 * h / (t if w.sp else 1) + act) + (13 * a * s * s * b / t
+                                                                   if w.materialized else 0)
     ar = all_reduce(b * s * h * w.e, t, w.tp_link)
-    fwd = {"compute": fwd_dense + fwd_core, "memory_bound": traffic / w.hbm, "tp_comm": 2 * ar}
+    cp_fwd, cp_bwd = cp_times(cfg, w, fwd_core)
+    ep = ep_time(mine, w)
+    fwd = {"compute": fwd_dense + fwd_core, "memory_bound": traffic / w.hbm, "tp_comm": 2 * ar,
+           "cp_comm": cp_fwd, "ep_comm": ep}
     redo = {"none": 0.0,
-            "selective": fwd_core + (13 * a * s * s * b / t / w.hbm if w.materialized else 0),
+            "selective": fwd_core + cp_fwd + (13 * a * s * s * b / t / w.hbm if w.materialized
+                                              else 0),
             "full": sum(fwd.values())}[w.recompute]
     bwd = {"compute": b_dense + b_core + (0.0 if w.split else w_dense),
            "recompute": redo,
-           "memory_bound": 2 * traffic / w.hbm, "tp_comm": 2 * ar}
+           "memory_bound": 2 * traffic / w.hbm, "tp_comm": 2 * ar, "cp_comm": cp_bwd,
+           "ep_comm": ep}
     return {"F": fwd, "B": bwd, "W": {"compute": w_dense} if w.split else {}}
 
 
 @functools.lru_cache(maxsize=4096)   # (read only, as layer_cost's: chunk_cost adds new dicts)
 def ends_cost(cfg, w: Work, first: bool, last: bool) -> dict[str, dict[str, float]]:
     """Seconds of the embedding (first stage: its TP all-reduce and lookups) and the head (last
-    stage: final LayerNorm, logits (N, V/t, h), loss; the TP all-reduce before it in backward)."""
-    s, b, h, V, t = cfg.seq_len, w.b, cfg.d_model, cfg.vocab_size, w.t
+    stage: final LayerNorm, logits (N, V/t, h), loss; the TP all-reduce before it in backward), on
+    the s / cp tokens a context-parallel rank holds."""
+    s, b, h, V, t = cfg.seq_len // w.cp, w.b, cfg.d_model, cfg.vocab_size, w.t
     ar = all_reduce(b * s * h * w.e, t, w.tp_link)
     out = {"F": {}, "B": {}, "W": {}}
     if first:
@@ -218,11 +247,6 @@ def _add(x: dict, y: dict) -> dict:
     return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in {**x, **y}}
 
 
-# Overlapped communication slows the compute it hides under: the kernels share the GPU's SMs and
-# memory. Galvatron measured 1.3x for computation overlapped with communication (Hetu-Galvatron's
-# overlap test); minipar charges it on the overlapped span: hiding x seconds of communication under
-# compute costs (SLOWDOWN - 1) x.
-SLOWDOWN = 1.3
 # What each implementation overlaps and how it sends pipeline messages (TP's collectives are exposed
 # in all three: Megatron-LM's --tp-comm-overlap and torchtitan's async TP are not modelled):
 #   grad_reduce     gradient buckets launched during the last backward (minipar's GradBuckets, DDP,
@@ -263,18 +287,20 @@ def messages(cfg, par, w: Work, link: Link, overlap: str) -> tuple[float, float]
     return (one, arrive) if "p2p_async" in has else (0.0, arrive + 2 * one)
 
 
-def exposed(comm: float, window: float) -> float:
-    """Seconds that `comm` seconds of communication add to a step when issued under `window`
-    seconds of compute: what sticks out, and the slowdown of the compute it hid under."""
-    return max(0.0, comm - window) + (SLOWDOWN - 1) * min(comm, window)
-
-
 def dp_time(par, psi: int, per: dict, link: Link, window: float, compute_mb: float,
-            units: int, forward_mb: float = 0.0, overlap: str = "minipar") -> float:
+            units: int, forward_mb: float = 0.0, overlap: str = "minipar",
+            experts: tuple = (0, None)) -> float:
     """Exposed seconds of the DP/ZeRO collectives of a stage holding `psi` parameters a GPU;
     `window` is the backward of its last micro-batch (what buckets overlap), `compute_mb` a
-    micro-batch's compute, `forward_mb` its forward; `overlap` whose overlaps (OVERLAPS)."""
-    n = par.dp
+    micro-batch's compute, `forward_mb` its forward; `overlap` whose overlaps (OVERLAPS). The DP
+    group: dp x cp ranks (context parallelism's are replicas too). experts: (the elements of the
+    expert weights among psi, their DP group's link) with expert parallelism: all-reduced over
+    dp / ep ranks in buckets of their own, launched after the others, so after backward."""
+    n, (mine, expert_link) = par.dp * par.cp, experts
+    if mine:
+        g = per["grads"]
+        return all_reduce(g * mine, n // par.ep, expert_link) + \
+            dp_time(par, psi - mine, per, link, window, compute_mb, units, forward_mb, overlap)
     if n == 1:
         return 0.0
     g = per["grads"]  # fp32 gradients under mixed precision unless reduce_fp32=False

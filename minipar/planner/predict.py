@@ -4,9 +4,9 @@ layouts (`plan`).
     step      = makespan of the pipeline schedule, simulated by `pipeline.simulate` with each
                 chunk's F, B, W costs (gpu_time.py) and its messages (gpu_time.messages: between
                 the ops, or in them where they block) + exposed DP/ZeRO time + optimizer
-    breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm (its busy
-                time) + bubble (makespan with free messages - busy) + pp_p2p (what the messages
-                add) + dp_comm + optimizer; the terms sum to the step time
+    breakdown = the busiest pipeline rank's compute, recompute, memory_bound, tp_comm, cp_comm,
+                ep_comm (its busy time) + bubble (makespan with free messages - busy) + pp_p2p
+                (what the messages add) + dp_comm + optimizer; the terms sum to the step time
     FLOPs     model FLOPs a step, B s cfg.flops_per_token (Korthikanti et al. 2022 eq. 7 for GPT-2
                 shapes; recomputation not counted: that would be hardware FLOPs);
                 tflops_per_gpu = FLOPs / step / world,  mfu = FLOPs / step / (world * peak)
@@ -32,6 +32,14 @@ the cluster has (the first par.world ranks); `plan` always uses them all. `estim
 step time); `plan` runs the second only on layouts that fit. `time_layout` is the one place that
 chooses the time model: a Cluster with a CPU calibration is timed by cpu_time.py, any other by
 gpu_step.py (from gpu_time.py's costs).
+
+Context and expert parallelism (GPUs of one kind, fused attention): a CP rank computes its s / cp
+tokens of each sequence, its attention over all s keys, and its exchanges as context_parallel.py
+makes them (gpu_time.cp_times); its DP and ZeRO run over dp x cp ranks. A MoE layer stays whole on
+each TP rank; with expert parallelism a rank holds n / ep experts, each taking ep b s k / n rows of
+an even routing, sends and receives the tokens' rows by all-to-all (gpu_time.ep_time), and
+reduces its experts' gradients over dp / ep ranks after the rest. Their memory is memory.predict's
+(the step's transients are not walked for them).
 
 Heterogeneous clusters (`Cluster.mixed`): ranks are numbered part after part, so with pp > 1 the
 stages (outermost in the grid) land on different GPU kinds, and with pp = 1 the DP replicas do.
@@ -82,6 +90,8 @@ class Estimate:
     attention: str = "flash"           # "flash" (fused SDPA) or "materialized" (Megatron 2022)
     overlap: str = "minipar"           # whose overlaps are timed: gpu_time.OVERLAPS
     peak: dict | None = None           # the step's peak with its transients (`_step_peaks`)
+    float8: bool = False               # the linear layers' matmuls timed in float8 (a published
+                                       #   run's: gpu_time.work_on; minipar trains in 16 bits)
 
     @functools.cached_property
     def timeline(self) -> pipeline.Timeline:
@@ -123,8 +133,10 @@ class Estimate:
         sched = (f" {p.schedule}" + f" v{p.virtual_stages}" * (p.virtual_stages > 1)) * (p.pp > 1)
         on = f" on {self.cluster.name}" if self.cluster.groups and p.pp > 1 else ""  # stage order
         tp = f"({','.join(map(str, p.stage_tp))})" if p.stage_tp else p.tp  # each stage's
-        return (f"dp{p.dp} tp{tp} pp{p.pp}{sched} b{self.micro_batch} zero{p.zero}"
-                f"{' sp' if p.sequence_parallel else ''} rc={p.recompute}{on}")
+        cp = f" cp{p.cp} {p.cp_method}" if p.cp > 1 else ""
+        return (f"dp{p.dp}{cp}{f' ep{p.ep}' * (p.ep > 1)} tp{tp} pp{p.pp}{sched} "
+                f"b{self.micro_batch} zero{p.zero}{' sp' if p.sequence_parallel else ''} "
+                f"rc={p.recompute}{on}")
 
     def __repr__(self):
         flops, fname = flops_unit(self.flops_per_gpu)
@@ -156,7 +168,7 @@ def _validate(cfg, par, cluster, global_batch: int, micro_batch: int) -> Paralle
                          f"({par.dp} * {micro_batch})")
     m = global_batch // (par.dp * micro_batch)  # replaces par.microbatches: the batches decide
     if par.world > cluster.world:
-        raise ValueError(f"the layout needs dp * tp * pp = {par.world} GPUs, the cluster has "
+        raise ValueError(f"the layout needs dp * cp * tp * pp = {par.world} GPUs, the cluster has "
                          f"{cluster.world}")
     par = par.replace(microbatches=m, schedule=par.schedule if par.pp > 1 else "1f1b")
     par.check(cfg, global_batch)
@@ -216,6 +228,10 @@ def split_layout(cfg, par, cluster, global_batch: int, micro_batch: int, attenti
         raise ValueError(f"DeepSpeed's pipeline engine runs 1F1B with ZeRO 0 or 1, not "
                          f"{par.schedule} with ZeRO {par.zero}")
     par = _validate(cfg, par, cluster, global_batch, micro_batch)
+    if (par.cp > 1 or cfg.n_expert) and (cluster.groups or cluster.cpu or attention != "flash"):
+        raise ValueError("the planner models context parallelism and experts on GPUs of one kind "
+                         "with fused attention (not yet a mixed cluster, a CPU's measured layers "
+                         "or materialised attention)")
     p, chunks, dp = par.pp, par.pp * par.virtual_stages, par.dp
     layers = min_max(cfg.n_layer, *chunk_seconds(cfg, par, cluster, micro_batch, attention)) \
         if cluster.groups else _proportional(cfg.n_layer, [1.0] * chunks)  # as partition() cuts
@@ -268,8 +284,9 @@ def sized(cfg, par, cluster, global_batch: int, micro_batch: int, layers, shares
     sizing = (attention == "materialized", memory.layout_bytes(par.precision, par.reduce_fp32),
               memory.element_bytes(par.precision),
               pipeline.cached_schedule(par.schedule, par.pp, max(shares), par.virtual_stages))
-    mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing, memo), \
-        capacities(cluster, par)
+    mem, capacity = stage_memory(cfg, par, micro_batch, list(layers), *sizing, memo) \
+        if par.cp == par.ep == 1 else [memory.predict(cfg, par, global_batch, pp_rank=r)
+                                       for r in range(par.pp)], capacities(cluster, par)
     peaks = _step_peaks(cfg, par, cluster, micro_batch, attention, layers, mem) if exact or all(
         sum(m.values()) <= c for m, c in zip(mem, capacity)) else None   # else no fit anyway
     fullest = max(range(par.pp), key=lambda r: _most(mem[r], peaks and peaks[r]) / capacity[r])
@@ -286,8 +303,8 @@ def _most(tally: dict, peak: dict | None) -> float:
 def _step_peaks(cfg, par, cluster, b: int, attention: str, layers, mem) -> list | None:
     """The step's peak with its transients on each pipeline rank (counted: `mem`), where
     step_memory.stage_peaks predicts it, with fused attention on one GPU kind; else None."""
-    if attention != "flash" or cluster.groups or par.stage_tp:
-        return None
+    if attention != "flash" or cluster.groups or par.stage_tp or cfg.n_expert or par.cp > 1:
+        return None   # (step_memory walks dense layers on one device kind)
     return stage_peaks(cfg, par, b, layers, mem)
 
 
@@ -335,7 +352,7 @@ def time_layout(cfg, est: Estimate) -> Estimate:
 
 
 def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micro_batch: int = 1,
-             attention: str = "flash", overlap: str = "minipar") -> Estimate:
+             attention: str = "flash", overlap: str = "minipar", float8: bool = False) -> Estimate:
     """Predicted memory (fullest GPU) and step time of layout `par` on `cluster` (module docstring).
     attention: "flash" (minipar's fused SDPA: no attention matrix in memory) or "materialized"
     (Megatron-LM in 2022: the a s^2 b scores written, softmaxed and dropped out in memory; the
@@ -344,9 +361,10 @@ def estimate(cfg, par: ParallelConfig, cluster: Cluster, global_batch: int, micr
     "minipar" (its code's), "production" (Megatron-LM's) or "deepspeed" (DeepSpeed's defaults:
     gradients reduced after backward; with a pipeline its engine's blocking messages, 1F1B and
     ZeRO 0 or 1 only); the estimate keeps which (`Estimate.overlap`). A CPU cluster is timed from
-    minipar's own measured layers, whatever `overlap` says."""
-    if par.cp > 1:
-        raise ValueError("the planner does not model context parallelism yet: estimate layouts "
-                         "with cp = 1")
+    minipar's own measured layers, whatever `overlap` says. float8: time the linear layers'
+    matmuls in float8, as a published run did (GPUs of one kind; the memory stays 16-bit's)."""
     est = split_layout(cfg, par, cluster, global_batch, micro_batch, attention, overlap)
+    if float8 and (cluster.groups or cluster.cpu):
+        raise ValueError("float8 is timed on GPUs of one kind (not a mixed cluster or a CPU)")
+    est.float8 = float8
     return refine(cfg, time_layout(cfg, est))

@@ -51,6 +51,7 @@ class Run:
     attention: str = "materialized"  # Megatron-LM before FlashAttention; torchtitan: "flash"
     overlap: str = "production"      # whose overlaps it ran (gpu_time.OVERLAPS): Megatron-LM's;
                                      #   torchtitan's FSDP prefetches as all do; "deepspeed"
+    float8: bool = False             # its linear layers ran in float8 (torchao; estimate's float8)
 
 
 # Machines of their own: the GPU kind's preset with what the source says differs.
@@ -107,6 +108,15 @@ RUNS = {
         "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (FSDP, local batch 2, "
         "selective AC, no torch.compile)", attention="flash")
        for gpus, wps in ((8, 5762.0), (128, 5605.0))},
+    **{f"torchtitan Llama 3 8B CP {cp} {seq // 1024}K": Run(
+        GPTConfig.preset("llama3-8b", seq_len=seq), "h100-torchtitan", 1,
+        (ParallelConfig(dp=8 // cp, cp=cp, zero=3, precision="bf16", recompute="full",
+                        cp_method="all-gather"),),   # PyTorch's CP: K/V all-gathered by default
+        8 // cp, (1,), "tokens_per_gpu", wps,
+        "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Table 2 (FSDP x CP on 8 GPUs, "
+        "local batch 1, full AC, torch.compile, Float8)", attention="flash", float8=True)
+       for cp, seq, wps in ((1, 32768, 3890.0), (2, 65536, 2540.0), (4, 131072, 1071.0),
+                            (8, 262144, 548.0))},
 }
 
 
@@ -121,7 +131,8 @@ def predict(run: Run):
     """(the figure in run.metric, the Estimate behind it): the fastest of the layouts and
     micro-batches the source leaves open that fit."""
     cluster = cluster_of(run)
-    ests = [estimate(run.cfg, par, cluster, run.global_batch, b, run.attention, run.overlap)
+    ests = [estimate(run.cfg, par, cluster, run.global_batch, b, run.attention, run.overlap,
+                     run.float8)
             for par, b in itertools.product(run.layouts, run.micro_batches)]
     best = min((e for e in ests if e.fits), key=lambda e: e.step_time, default=None) or \
         min(ests, key=lambda e: e.step_time)
@@ -173,7 +184,11 @@ CHECKED = [
     ("torchtitan Llama 3 8B (H100, Llama shapes, FSDP, full recomputation): within 5% on 128 "
      "GPUs, 16% on 8",
      lambda e: e.cluster.name in ("dgx-h100", "h100-torchtitan") and _llama(e) and e.par.zero == 3
-     and e.par.tp == e.par.pp == 1 and e.par.recompute == "full"),
+     and e.par.tp == e.par.pp == e.par.cp == 1 and e.par.recompute == "full" and not e.float8),
+    ("torchtitan Llama 3 8B context-parallel sweep (H100, FSDP x CP, full recomputation, float8 "
+     "linears, 32K-256K tokens): within 8% at 32K, 128K and 256K, 22% slow at 64K",
+     lambda e: e.cluster.name in ("dgx-h100", "h100-torchtitan") and _llama(e) and e.float8
+     and e.par.zero == 3 and e.par.tp == e.par.pp == 1 and e.par.recompute == "full"),
     ("this machine, 2 and 4 ranks (tests/test_planner_measured.py)",
      lambda e: e.cluster.cpu is not None and e.par.world in (2, 4)),
 ]

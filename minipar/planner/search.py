@@ -65,6 +65,10 @@ def _schedules(pp: int, m: int, n_layer: int, schedules, virtual_stages):
             yield from ((name, v) for v in virtual_stages if v > 1 and pp * v <= n_layer)
 
 
+# context parallelism is searched for sequences this long or longer (Llama 3 used it for 128K)
+LONG_SEQUENCE = 16384
+
+
 def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4, 8),
                schedules=SCHEDULES,
                virtual_stages=(2, 4), zero=(0, 1, 2, 3), precision: str = "bf16"):
@@ -72,20 +76,27 @@ def candidates(cfg, cluster: Cluster, global_batch: int, micro_batches=(1, 2, 4,
     of cluster.world, tp dividing gpus_per_node (TP groups, innermost in the grid, then never
     straddle two nodes: on a mixed cluster, two islands), ZeRO > 0 only with dp > 1, ZeRO-3 only
     without pp (it would gather every unit again for each micro-batch), sequence parallel whenever
-    tp > 1 (it only saves) and ZeRO < 3; of those, the ones ParallelConfig.check accepts for `cfg`
-    (the widths tp must divide, tied embeddings: its rules, said once there)."""
+    tp > 1 (it only saves) and ZeRO < 3; context parallelism 2, 4, 8 by each method for sequences
+    of LONG_SEQUENCE tokens or more, expert parallelism over every divisor of dp that divides the
+    experts; of those, the ones ParallelConfig.check accepts for `cfg` (the widths tp must divide,
+    tied embeddings, what CP and EP combine with: its rules, said once there)."""
     world = cluster.world
+    cps = [(1, "ring")] + [(c, m) for c in (2, 4, 8) for m in ("ring", "all-gather", "ulysses")
+                           if cfg.seq_len >= LONG_SEQUENCE]
     for tp in (t for t in _divisors(world) if cluster.gpus_per_node % t == 0):
-        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layer):
-            dp = world // (tp * pp)
+        for pp, (cp, method) in ((p, c) for p in _divisors(world // tp) if p <= cfg.n_layer
+                                 for c in cps if (world // (tp * p)) % c[0] == 0):
+            dp = world // (tp * pp * cp)
             for b in (b for b in micro_batches if global_batch % (dp * b) == 0):
                 m = global_batch // (dp * b)
                 for name, v in _schedules(pp, m, cfg.n_layer, schedules, virtual_stages):
-                    for z in (z for z in zero if (z == 0 or dp > 1) and not (z == 3 and pp > 1)):
+                    for z, ep in ((z, e) for z in zero if (z == 0 or dp > 1) and not (
+                            z == 3 and pp > 1) for e in _divisors(dp) if e == 1 or cfg.n_expert):
                         par = ParallelConfig(dp=dp, tp=tp, pp=pp, zero=z, microbatches=m,
                                              schedule=name, virtual_stages=v,
                                              sequence_parallel=tp > 1 and z != 3
-                                             and cfg.seq_len % tp == 0, precision=precision)
+                                             and cfg.seq_len % tp == 0 and not cfg.n_expert,
+                                             precision=precision, cp=cp, cp_method=method, ep=ep)
                         try:
                             par.check(cfg, global_batch)
                         except ValueError:
@@ -308,11 +319,14 @@ def format_table(estimates: list[Estimate], top: int = 10) -> str:
     shown = estimates[:top]
     (flops, fname), (mem, mname) = (flops_unit(*(e.flops_per_gpu for e in shown)),
                                     memory_unit(*(e.peak_memory for e in shown)))
-    heads = ["#", "layout", "step s", fname, "MFU", mname] + [f"{k} s" for k in TERMS]
+    # every term, but context and expert parallelism's only where a layout has them
+    terms = [k for k in TERMS if k not in ("cp_comm", "ep_comm") or any(e.breakdown[k]
+                                                                         for e in shown)]
+    heads = ["#", "layout", "step s", fname, "MFU", mname] + [f"{k} s" for k in terms]
     term = lambda e, k: f"{e.breakdown[k]:.3g}" if e.breakdown[k] > NEGLIGIBLE_TIME * 1e-6 * \
         e.step_time else "0"  # float noise of a simulated bubble is no bubble
     rows = [[str(i), e.label, f"{e.step_time:.4g}", f"{e.flops_per_gpu / flops:.3g}",
-             f"{e.mfu:.1%}", f"{e.peak_memory / mem:.1f}"] + [term(e, k) for k in TERMS]
+             f"{e.mfu:.1%}", f"{e.peak_memory / mem:.1f}"] + [term(e, k) for k in terms]
             for i, e in enumerate(shown, 1)]
     widths = [max(len(r[c]) for r in [heads] + rows) for c in range(len(heads))]
     fmt = lambda r: "  ".join(x.ljust(w) if c == 1 else x.rjust(w) for c,
