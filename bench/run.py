@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 import allreduce  # bench/ is on sys.path (the script's folder), so workers import it by name too
+import cp_ep
 import ddp
 import pp
 import scheduler
@@ -18,7 +19,7 @@ import search
 import tp
 import zero
 
-ENTRIES = {"allreduce": allreduce, "ddp": ddp, "zero": zero, "tp": tp, "pp": pp,
+ENTRIES = {"allreduce": allreduce, "ddp": ddp, "zero": zero, "tp": tp, "pp": pp, "cp_ep": cp_ep,
            "search": search, "scheduler": scheduler}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
