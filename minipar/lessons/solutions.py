@@ -14,6 +14,8 @@ tests and for the lessons' fallback when the exercise is not filled in; read it 
                                         exercises_planner.check_collective_costs
     split_layers(n_layer, seconds)      lesson 09's: exercises_planner.check_layer_split
     srtf(view)                          lesson 10's: exercises_scheduler.check_srtf
+    merge_attention(out1, lse1, out2, lse2)   lesson 11's: exercises_cp_ep.check_merge
+    route_with_capacity(scores, k, capacity)  lesson 12's: exercises_cp_ep.check_route
 """
 from __future__ import annotations
 
@@ -168,3 +170,27 @@ def srtf(view) -> dict:
             alloc[s.job.name] = (kind, s.job.scale)
             free[kind] -= s.job.scale
     return alloc
+
+
+def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries over disjoint keys, as one: each weighted by its
+    share of the total exp-sum, computed from differences of log-sum-exps (no overflow); a block
+    whose keys a query cannot see (lse -inf) weighs 0."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    return out1 * torch.exp(lse1 - safe)[..., None] + out2 * torch.exp(lse2 - safe)[..., None], lse
+
+
+def route_with_capacity(scores: torch.Tensor, k: int, capacity: int):
+    """Each token's k best experts, and whether each slot fits: an expert takes its first
+    `capacity` slots in token order."""
+    experts = torch.topk(scores, k, dim=-1).indices
+    taken = [0] * scores.shape[1]
+    kept = torch.zeros_like(experts, dtype=torch.bool)
+    for t in range(len(experts)):
+        for j in range(k):
+            e = int(experts[t, j])
+            kept[t, j] = taken[e] < capacity
+            taken[e] += 1
+    return experts, kept
