@@ -7,9 +7,9 @@ control, load balancing over a short training run, and expert parallelism's all-
     balance_run(mode, steps)        a MoE layer trained from a router that sends most tokens to one
                                     expert: each step's busiest expert's load over the mean, with no
                                     balancing, Switch's loss, or DeepSeek-V3's bias rule
-    exchange(tokens, ...)           worker: one MoE layer, expert parallel on this group, forward and
-                                    backward on this rank's tokens: the slots it sends to each rank
-                                    and the bytes by kind
+    exchange(tokens, ...)           worker: one MoE layer, expert parallel on this group, forward
+                                    and backward on this rank's tokens: the slots it sends to each
+                                    rank and the bytes by kind
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def routing_figure(moe: MoE, x: torch.Tensor):
     for t, row in enumerate(routing.experts.tolist()):
         for j, e in enumerate(row):
             a.plot(t, e, "o", mfc="none", mec="#C44E52" if routing.kept[t, j] else "#999999")
-    a.set(xlabel="token", ylabel="expert", title=f"router scores; circled: each token's {moe.top_k}")
+    a.set(xlabel="token", ylabel="expert",
+          title=f"router scores; circled: each token's {moe.top_k}")
     routed = torch.bincount(routing.experts.flatten(), minlength=moe.n_expert)
     b.barh(range(moe.n_expert), routing.counts, color="#4C72B0", label="kept")
     b.barh(range(moe.n_expert), routed - routing.counts, left=routing.counts, color="#C8C8C8",
