@@ -218,7 +218,8 @@ def run_train(args) -> None:
     if res.preempted:
         print(f"checkpoint of {res.preempted} steps saved to {args.save}: --resume it to continue")
     print("memory per rank after the first step (states; activations at their most), MiB, "
-          "measured (predicted by memory.predict):")
+          "measured (predicted by memory.predict" + ("; the experts' activations for an even "
+                                                     "routing" if par.ep > 1 else "") + "):")
     for rank, (mem, pred) in enumerate(zip(res.peak_memory, res.predicted_memory)):
         print(f"  rank {rank}: " + ", ".join(f"{k} {v / 2**20:.2f}" + (f" ({pred[k] / 2**20:.2f})"
                                                                        if k in pred else "")

@@ -295,7 +295,7 @@ class ParallelConfig:
                              f"({cfg.n_head}) and n_kv_head ({cfg.kv_heads}) must divide by cp "
                              f"* tp ({self.cp} * {self.tp})")
         held = [len(positions(cfg.seq_len, self.cp, r)) for r in range(self.cp)] \
-            if cfg.seq_len >= 2 * self.cp else [cfg.seq_len]
+            if self.sequence_parallel and self.cp > 1 else [cfg.seq_len]
         if self.sequence_parallel and any(n % self.tp for n in held):
             raise ValueError(f"sequence_parallel needs the tokens each rank holds ({held}: "
                              f"seq_len {cfg.seq_len} over cp {self.cp}) to divide by tp "

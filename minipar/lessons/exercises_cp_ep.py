@@ -79,9 +79,14 @@ def check_route(fn) -> str:
         assert torch.equal(torch.as_tensor(experts), want.experts), (
             f"T={T}, n={n}, k={k}: the chosen experts differ: each token's k best, best first "
             "(torch.topk)")
-        assert torch.equal(torch.as_tensor(kept, dtype=torch.bool), want.kept), (
-            f"T={T}, n={n}, k={k}, capacity {capacity}: the kept slots differ: an expert keeps its "
-            "first `capacity` slots in token order (token 0's slots, then token 1's...) and "
-            f"drops the rest; expected {int(want.kept.sum())} kept, got {int(kept.sum())}")
+        kept = torch.as_tensor(kept, dtype=torch.bool)
+        if not torch.equal(kept, want.kept):
+            t, j = (kept != want.kept).nonzero()[0].tolist()
+            raise AssertionError(
+                f"T={T}, n={n}, k={k}, capacity {capacity}: the kept slots differ, first at token "
+                f"{t}'s slot {j} (expert {int(want.experts[t, j])}): expected "
+                f"{'kept' if want.kept[t, j] else 'dropped'}. An expert keeps its first "
+                "`capacity` slots in token order (token 0's slots, then token 1's...) and drops "
+                "the rest")
     return "route: the same experts and the same kept slots as MoE.route, capacity or not"
 
