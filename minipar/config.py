@@ -297,6 +297,6 @@ class ParallelConfig:
         held = [len(positions(cfg.seq_len, self.cp, r)) for r in range(self.cp)] \
             if self.sequence_parallel and self.cp > 1 else [cfg.seq_len]
         if self.sequence_parallel and any(n % self.tp for n in held):
-            raise ValueError(f"sequence_parallel needs the tokens each rank holds ({held}: "
-                             f"seq_len {cfg.seq_len} over cp {self.cp}) to divide by tp "
-                             f"({self.tp})")
+            what = f"seq_len ({cfg.seq_len})" if self.cp == 1 else \
+                f"the tokens each CP rank holds ({held}: seq_len {cfg.seq_len} over cp {self.cp})"
+            raise ValueError(f"sequence_parallel needs {what} to divide by tp ({self.tp})")
