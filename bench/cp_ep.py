@@ -35,7 +35,6 @@ import time
 import common  # bench/ is on sys.path
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from common import RESULTS, add_timing_arguments, main
 
 import minipar
@@ -43,6 +42,7 @@ from minipar import comm
 from minipar import context_parallel as cpm
 from minipar.expert_parallel import ExpertParallel
 from minipar.lessons.demos import slowest_rank
+from minipar.lessons.demos_cp import attend
 from minipar.moe import MoE
 
 DEFAULTS = dict(worlds=(2,), tokens=2048, heads=8, head_dim=64, batch=1, moe_tokens=2048,
@@ -68,16 +68,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _attention(s: dict, method: str, q, k, v, stats=None):
-    """(output, the q, k, v it was given) of one variant on this rank's share."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    if method == "one device":
-        mine = [t.detach().requires_grad_() for t in (q, k, v)]
-        return F.scaled_dot_product_attention(*mine, is_causal=True), mine
-    mine = [cpm.shard(t, n, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
-    return cpm.attention(*mine, s["tokens"], None, method, True, stats), mine
-
-
 def _moe_variants(s: dict, stats):
     torch.manual_seed(0)
     full = MoE(s["d_model"], s["ffn"], s["n_expert"], s["top_k"])
@@ -92,11 +82,11 @@ def _check(s: dict, q, k, v, x) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
     up = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))   # the same on every rank
-    ref, ref_in = _attention(s, "one device", q, k, v)
+    ref, ref_in = attend("one device", q, k, v)
     (ref * up).sum().backward()
     for method in CP[1:]:
         stats = comm.CommStats()
-        got, mine = _attention(s, method, q, k, v, stats)
+        got, mine = attend(method, q, k, v, stats)
         (got * cpm.shard(up, n, rank, dim=2)).sum().backward()
         want = cpm.shard(ref.detach(), n, rank, dim=2)
         grads = max(_rel(a.grad, cpm.shard(b.grad, n, rank, dim=2)) for a, b in zip(mine, ref_in))
@@ -138,7 +128,7 @@ def worker(s: dict) -> dict:
             method = CP[(rep + i) % len(CP)]
             dist.barrier()
             start = time.perf_counter()
-            out, _ = _attention(s, method, q, k, v)
+            out, _ = attend(method, q, k, v)
             out.sum().backward()
             if rep >= s["warmup"]:
                 times["attention"][method].append(time.perf_counter() - start)

@@ -128,17 +128,9 @@ def sent(method: str, seq_len: int, cp: int, rank: int, batch: int, hq: int, hk:
 
 def group_of(mesh, cp: int):
     """(this rank's CP group, its rank in it): cp consecutive ranks of the DP axis of a mesh built
-    with dp * cp replicas (Megatron's order, tp innermost, then cp, then dp). Collective: every
-    rank creates every group, in the same order."""
-    mine = None
-    for pp_rank in range(mesh.pp):
-        for tp_rank in range(mesh.tp_at(pp_rank)):
-            for first in range(0, mesh.dp, cp):
-                ranks = [mesh.global_rank(first + i, tp_rank, pp_rank) for i in range(cp)]
-                group = dist.new_group(ranks)
-                if mesh.rank in ranks:
-                    mine = group
-    return mine, mesh.dp_rank % cp
+    with dp * cp replicas (Megatron's order, tp innermost, then cp, then dp). Collective."""
+    consecutive = lambda ranks: [ranks[i:i + cp] for i in range(0, len(ranks), cp)]  # noqa: E731
+    return mesh.dp_subgroups(consecutive)[0], mesh.dp_rank % cp
 
 
 def apply_cp(model, loss_fn, group, method: str, stats: comm.CommStats | None = None):

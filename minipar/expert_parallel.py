@@ -28,6 +28,8 @@ Each cut weight carries its EP group as `.ep`, for checkpoints and clipping.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -60,10 +62,10 @@ class ExpertParallel(MoE):
             self.register_buffer(name, buffer, persistent=name in moe.state_dict())
 
     def forward(self, x: torch.Tensor):
-        shape, moe = x.shape, self
+        shape = x.shape
         x = x.reshape(-1, shape[-1])
-        routing: Routing = moe.route(x, shape[:-2].numel() if len(shape) > 2 else 1)
-        tokens, gates = moe.slots(routing)                   # by expert, so by owner rank
+        routing: Routing = self.route(x, math.prod(shape[:-2]))
+        tokens, gates = self.slots(routing)                  # by expert, so by owner rank
         # counts first: [source rank][local expert] rows arrive here
         mine = routing.counts.to(torch.int64)
         arrive = torch.empty_like(mine)
@@ -77,7 +79,7 @@ class ExpertParallel(MoE):
         blocks = rows.split(per.flatten().tolist())
         by_expert = [torch.cat([blocks[s * self.local + e] for s in range(self.ep)])
                      for e in range(self.local)]
-        outs = [moe.expert(e, part) for e, part in enumerate(by_expert)]
+        outs = [self.expert(e, part) for e, part in enumerate(by_expert)]
         # back to (source, expert) order, then home
         done = [outs[e].split(per[:, e].tolist()) for e in range(self.local)]
         back = torch.cat([done[e][s] for s in range(self.ep) for e in range(self.local)])
@@ -89,18 +91,10 @@ class ExpertParallel(MoE):
 
 def groups_of(mesh, ep: int):
     """(this rank's EP group, its experts' DP group): ep consecutive ranks of the mesh's DP axis,
-    and the dp / ep ranks at the same place of every EP group. Collective: every rank creates every
-    group, in the same order."""
-    mine, same = None, None
-    for pp_rank in range(mesh.pp):
-        for tp_rank in range(mesh.tp_at(pp_rank)):
-            at = [mesh.global_rank(d, tp_rank, pp_rank) for d in range(mesh.dp)]
-            for ranks in [at[i:i + ep] for i in range(0, mesh.dp, ep)] + \
-                    [at[i::ep] for i in range(ep)]:
-                group = dist.new_group(ranks)
-                if mesh.rank in ranks:
-                    mine, same = (group, same) if mine is None else (mine, group)
-    return mine, same
+    and the dp / ep ranks at the same place of every EP group. Collective."""
+    ep_group, same = mesh.dp_subgroups(lambda ranks: [ranks[i:i + ep] for i in range(
+        0, len(ranks), ep)] + [ranks[i::ep] for i in range(ep)])
+    return ep_group, same
 
 
 def apply_ep(model: nn.Module, group, stats: comm.CommStats | None = None) -> None:

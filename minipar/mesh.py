@@ -137,6 +137,19 @@ class Mesh:
             groups.setdefault(key, []).append(r)
         return list(groups.values())
 
+    def dp_subgroups(self, cut) -> list:
+        """The groups that contain this rank among those `cut(ranks) -> [ranks, ...]` makes of
+        every DP group (`axis_groups("dp")`, ranks in dp_rank order), in cut's order: context
+        parallelism's and expert parallelism's groups. Collective: every rank creates every group,
+        in the same order."""
+        mine = []
+        for ranks in self.axis_groups("dp"):
+            for part in cut(ranks):
+                group = dist.new_group(part)
+                if self.rank in part:
+                    mine.append(group)
+        return mine
+
     @property
     def dp_rank(self) -> int:
         return self.coords().dp_rank

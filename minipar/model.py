@@ -240,12 +240,11 @@ class Block(nn.Module):
             MoE(cfg.d_model, cfg.ffn_dim, cfg.n_expert, cfg.top_k, cfg.capacity_factor,
                 cfg.moe_alpha, cfg.moe_bias_speed, cfg.mlp)
         self.drop = nn.Dropout(cfg.dropout)
-        self.moe = bool(cfg.n_expert)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))
         y = self.mlp(self.ln2(x))
-        if self.moe:  # (y, routing): the routing's balance loss rides on y into backward
+        if isinstance(self.mlp, MoE):  # (y, routing): its balance loss rides on y into backward
             y = with_balance_loss(self.mlp, *y)
         return x + self.drop(y)
 

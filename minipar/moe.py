@@ -130,7 +130,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        routing = self.route(x, math.prod(shape[:-2]) if len(shape) > 2 else 1)
+        routing = self.route(x, math.prod(shape[:-2]))   # (2-D: one sequence)
         tokens, gates = self.slots(routing)
         parts = tokens.split(routing.counts.tolist())
         outs = [self.expert(e, x[part]) for e, part in enumerate(parts)]

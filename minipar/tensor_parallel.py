@@ -367,7 +367,7 @@ def apply_tp(model: GPT, tp: TPGroup) -> GPT:
         model.pos_emb = SequenceShardedPositions(model.pos_emb, tp)
     for block in model.blocks:
         block.attn = ParallelAttention(block.attn, tp)
-        if not block.moe:  # a mixture of experts stays whole on every rank (its own cut is EP's)
+        if isinstance(block.mlp, MLP):  # a mixture of experts stays whole (EP cuts it)
             block.mlp = ParallelMLP(block.mlp, tp)
         for norm in (block.ln1, block.ln2):
             norm.weight, norm.bias = _replicated(norm.weight, tp), _replicated(norm.bias, tp)

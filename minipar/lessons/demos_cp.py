@@ -8,6 +8,7 @@ length.
     merge_control()                 the same with the split point and the scores' spread as sliders
     causal_work(T, cp, balanced)    query-key pairs each rank's queries attend
     balance_figure(T, cps)          that work by rank, contiguous against balanced
+    attend(method, q, k, v)         causal attention on one device or a CP method's share
     time_attention(...)             worker: causal attention's forward and backward on this rank,
                                     one device against each method, with the bytes sent
     memory_figure(cfg, lengths)     a rank's activations against sequence length, by cp
@@ -112,12 +113,23 @@ def balance_figure(T: int, cps: tuple):
     return fig
 
 
+def attend(method: str, q, k, v, stats=None):
+    """(causal attention's output, the inputs it was given, requiring grad): "one device" runs
+    F.scaled_dot_product_attention on the whole sequence of q, k, v (B, heads, T, d); a CP method
+    its balanced share on the world group."""
+    if method == "one device":
+        mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        return F.scaled_dot_product_attention(*mine, is_causal=True), mine
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = [cpm.shard(t, n, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    return cpm.attention(*mine, q.shape[2], None, method, True, stats), mine
+
+
 def time_attention(tokens: int, heads: int, head_dim: int, reps: int, warmup: int = 1) -> dict:
     """Worker: {variant: seconds of each timed pass on this rank}, {variant: bytes sent a pass}.
     One device runs F.scaled_dot_product_attention on all `tokens`; each method its balanced
     share on this group. Inputs from one seed, the same on every rank."""
     torch.set_num_threads(1)
-    rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, tokens, head_dim, generator=g) for _ in range(3))
     variants = ("one device", *cpm.METHODS)
@@ -126,14 +138,9 @@ def time_attention(tokens: int, heads: int, head_dim: int, reps: int, warmup: in
         for i in range(len(variants)):
             method = variants[(rep + i) % len(variants)]
             stats = comm.CommStats()
-            if method == "one device":
-                mine = [t.clone().requires_grad_() for t in (q, k, v)]
-            else:
-                mine = [cpm.shard(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
             dist.barrier()
             start = time.perf_counter()
-            out = F.scaled_dot_product_attention(*mine, is_causal=True) if method == \
-                "one device" else cpm.attention(*mine, tokens, None, method, True, stats)
+            out, _ = attend(method, q, k, v, stats)
             out.sum().backward()
             if rep >= warmup:
                 times[method].append(time.perf_counter() - start)
